@@ -1,0 +1,3 @@
+from pagedmoe.entrypoints.cli import main
+
+main()

@@ -1,0 +1,54 @@
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.2
+    swap_space: int = 1 << 28
+    preemption_mode: str = "recompute"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model: directory {self.model!r} does not exist")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model: no config.json in {self.model!r}")
+        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
+        self.tokenizer = self.tokenizer or self.model
+        self._check_choices()
+        limit = self.hf_config.max_position_embeddings
+        self.max_model_len = min(self.max_model_len or limit, limit)
+
+    def _check_choices(self):
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dtype = getattr(self.hf_config, "dtype", None) or torch.float32
+        return _DTYPES[dtype] if isinstance(dtype, str) else dtype

@@ -1,0 +1,41 @@
+from collections import OrderedDict
+
+
+class BlockPool:
+    """Ref-counted KV blocks with an O(1) LRU free list (an OrderedDict used as a linked list):
+    free blocks are taken from the front, and a freed block goes to the back."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def allocate(self) -> int:
+        if not self.free_blocks:
+            raise RuntimeError("block pool exhausted")
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int):
+        if self.ref_counts[block_id] == 0:
+            del self.free_blocks[block_id]
+        self.ref_counts[block_id] += 1
+
+    def free(self, block_id: int):
+        if self.ref_counts[block_id] <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than it was referenced")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks[block_id] = None
+
+    def is_shared(self, block_id: int) -> bool:
+        return self.ref_counts[block_id] > 1

@@ -1,0 +1,272 @@
+import itertools
+import os
+import time
+from dataclasses import dataclass, fields
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from pagedmoe.config import EngineConfig
+from pagedmoe.engine.detokenizer import Detokenizer
+from pagedmoe.engine.kv_cache_manager import KVCacheManager
+from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
+from pagedmoe.engine.sequence import Request, Sequence
+from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_finished_requests: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks_total
+
+
+class LLMEngine:
+    """Each step is schedule -> execute -> postprocess."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.runner = ModelRunner(config)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv)
+        self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(EngineConfig(model=model, **kwargs))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        text, token_ids = self._tokenize(prompt)
+        params = self._check_lengths(token_ids, params)
+        request = Request(request_id, text, token_ids, params, arrival_time)
+        request.eos_token_ids = set() if params.ignore_eos else self.eos_token_ids
+        seq = Sequence(next(self._seq_ids), request, list(token_ids))
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(list(prompt["prompt_token_ids"]))
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True); pass prompt_token_ids")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, self.tokenizer(prompt).input_ids
+
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (no prompt_token_ids)")
+        vocab = self.config.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        return token_ids
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, max_model_len is {max_len}: "
+                             "it leaves no room for output")
+        if params.max_tokens is None or len(token_ids) + params.max_tokens > max_len:
+            params = _replace(params, max_tokens=max_len - len(token_ids))
+        num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if num_blocks > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {len(token_ids) + params.max_tokens} tokens need "
+                             f"{num_blocks} KV blocks; the pool has {self.kv.pool.num_blocks}")
+        return params
+
+    def abort_request(self, request_id: str):
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        out = self.runner.execute(sched)
+        return self._postprocess(sched, out)
+
+    def _postprocess(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestOutput]:
+        now = time.time()
+        for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+            self.num_prompt_tokens += max(min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                                          - (seq.num_computed_tokens - num_new), 0)
+        self._append_prompt_logprobs(sched, out)
+        touched = self._append_samples(out, now)
+        return [self._make_output(request, now) for request in touched]
+
+    def _append_prompt_logprobs(self, sched: SchedulerOutput, out: ModelRunnerOutput):
+        for seq in sched.seqs:
+            if seq.seq_id not in out.prompt_logprobs:
+                continue
+            start, logprobs, token_ids = out.prompt_logprobs[seq.seq_id]
+            entries = seq.request.prompt_logprobs
+            for pos in range(len(entries), start + len(token_ids)):
+                row = pos - start
+                entries.append(_logprob_dict(logprobs[row], int(token_ids[row]), seq.params.prompt_logprobs,
+                                             self.tokenizer))
+
+    def _append_samples(self, out: ModelRunnerOutput, now: float) -> list[Request]:
+        sampled = out.sampled
+        token_ids = sampled.token_ids.tolist()
+        row, touched = 0, {}
+        for seq, num_samples in zip(out.sample_seqs, out.num_samples):
+            seqs = [seq] + self._fork(seq, num_samples)
+            for s in seqs:
+                self._append_token(s, token_ids[row], sampled, row)
+                row += 1
+            touched[seq.request.request_id] = seq.request
+            seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
+            seq.request.metrics.last_token_time = now
+        return list(touched.values())
+
+    def _fork(self, parent: Sequence, num_samples: int) -> list[Sequence]:
+        children = [parent.fork(next(self._seq_ids), i) for i in range(1, num_samples)]
+        self.scheduler.add_forks(parent, children)
+        parent.request.seqs.extend(children)
+        return children
+
+    def _append_token(self, seq: Sequence, token_id: int, sampled, row: int):
+        seq.token_ids.append(token_id)
+        self.num_generation_tokens += 1
+        if sampled.logprobs is not None:
+            seq.cumulative_logprob += float(sampled.logprobs[row])
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._sample_logprobs(seq, token_id, sampled, row))
+        text = self.detokenizer.append(seq, token_id)
+        self._check_stop(seq, token_id, text)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _sample_logprobs(self, seq: Sequence, token_id: int, sampled, row: int) -> dict[int, Logprob]:
+        entry = {token_id: Logprob(float(sampled.logprobs[row]), int(sampled.ranks[row]))}
+        num_top = seq.params.logprobs
+        if num_top:
+            ids, values = sampled.top_ids[row, :num_top].tolist(), sampled.top_logprobs[row, :num_top].tolist()
+            for rank, (tid, value) in enumerate(zip(ids, values), start=1):
+                entry.setdefault(tid, Logprob(value, rank))
+        _decode_logprobs(entry, self.tokenizer)
+        return entry
+
+    def _check_stop(self, seq: Sequence, token_id: int, new_text: str):
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                return
+            if token_id in seq.request.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if params.stop_strings and self._truncate_at_stop(seq, len(new_text)):
+                return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            seq.finish_reason = "length"
+
+    def _truncate_at_stop(self, seq: Sequence, num_new_chars: int) -> bool:
+        params = seq.params
+        for stop in params.stop_strings:
+            begin = max(len(seq.output_text) - num_new_chars - len(stop) + 1, 0)
+            index = seq.output_text.find(stop, begin)
+            if index >= 0:
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                seq.output_text = seq.output_text[:end]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _make_output(self, request: Request, now: float) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            request.metrics.finished_time = now
+            self.requests.pop(request.request_id, None)
+            self.num_finished_requests += 1
+        outputs = [CompletionOutput(s.sample_index, s.output_text, s.output_token_ids, s.cumulative_logprob,
+                                    s.logprobs, s.finish_reason, s.stop_reason)
+                   for s in sorted(request.seqs, key=lambda s: s.sample_index)]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             request.prompt_logprobs, outputs, finished, request.metrics)
+
+    def get_stats(self) -> EngineStats:
+        pool, sched = self.kv.pool, self.scheduler
+        return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_blocks,
+                           pool.num_used_blocks, pool.num_free_blocks, sched.num_preemptions["recompute"],
+                           sched.num_preemptions["swap"], self.num_prompt_tokens, self.num_generation_tokens,
+                           self.num_finished_requests)
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    values = {f.name: getattr(params, f.name) for f in fields(params) if f.init}
+    return SamplingParams(**{**values, **changes})
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
+    ids = set()
+    for source in (config.hf_config, _generation_config(config.model), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return ids
+
+
+def _generation_config(model_dir: str):
+    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        return None
+    return GenerationConfig.from_pretrained(model_dir)
+
+
+def _logprob_dict(logprobs, token_id: int, num_top: int, tokenizer) -> dict[int, Logprob]:
+    value = logprobs[token_id]
+    entry = {token_id: Logprob(float(value), int((logprobs > value).sum()) + 1)}
+    if num_top:
+        top_values, top_ids = logprobs.topk(num_top)
+        for rank, (tid, v) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
+            entry.setdefault(tid, Logprob(v, rank))
+    _decode_logprobs(entry, tokenizer)
+    return entry
+
+
+def _decode_logprobs(entry: dict[int, Logprob], tokenizer):
+    if tokenizer is not None:
+        for tid, logprob in entry.items():
+            logprob.decoded_token = tokenizer.decode([tid])

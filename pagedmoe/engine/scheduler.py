@@ -1,0 +1,130 @@
+from collections import deque
+from dataclasses import dataclass
+
+from pagedmoe.config import EngineConfig
+from pagedmoe.engine.kv_cache_manager import BlockTransfers, KVCacheManager
+from pagedmoe.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    transfers: BlockTransfers
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """vLLM v1-style: one token budget per step, no prefill/decode phases. Running sequences first
+    (preempting the newest when blocks run out), then swapped-out ones, then new admissions;
+    a long prompt is chunked across steps and batched with decodes."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], BlockTransfers())
+        budget = self.config.max_num_batched_tokens
+        num_preempted = sum(self.num_preemptions.values())
+        budget = self._schedule_running(out, budget)
+        if sum(self.num_preemptions.values()) == num_preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        out.transfers = self.kv.take_transfers()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new):
+                break
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+        while not self.kv.allocate_slots(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence):
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
+            self.kv.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            self.num_preemptions["swap"] += 1
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions["recompute"] += 1
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(seq, num_new):
+                break
+            self.kv.swap_in(seq)
+            assert self.kv.allocate_slots(seq, num_new)
+            budget = self._start_running(self.swapped.popleft(), num_new, out, budget)
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, num_new):
+                break
+            budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
+        return budget
+
+    def _start_running(self, seq: Sequence, num_new: int, out: SchedulerOutput, budget: int) -> int:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
+        return budget - num_new
+
+    def add_forks(self, parent: Sequence, children: list[Sequence]):
+        index = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+        self.running[index:index] = children
+
+    def finish(self, seq: Sequence):
+        self._remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _remove(self, seq: Sequence):
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        if queue is not None and seq in queue:
+            queue.remove(seq)

@@ -1,0 +1,91 @@
+import time
+from enum import Enum, auto
+
+import torch
+
+from pagedmoe.outputs import Logprob, RequestMetrics
+from pagedmoe.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    SWAPPED = auto()
+    FINISHED = auto()
+
+
+class Request:
+    """One user request: its prompt, parameters and the n sequences sampled from it."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time or time.time())
+        self.generators = _make_generators(params)
+        self.eos_token_ids: set[int] = set()
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.seqs: list[Sequence] = []
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+
+def _make_generators(params: SamplingParams) -> list[torch.Generator] | None:
+    if params.seed is None:
+        return None
+    return [torch.Generator().manual_seed(params.seed + i) for i in range(params.n)]
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: Request, token_ids: list[int], sample_index: int = 0):
+        self.seq_id, self.request, self.sample_index = seq_id, request, sample_index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.host_block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.output_text = ""
+        self.decode_stream = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        gens = self.request.generators
+        return gens[self.sample_index] if gens else None
+
+    def fork(self, seq_id: int, sample_index: int) -> "Sequence":
+        child = Sequence(seq_id, self.request, list(self.token_ids), sample_index)
+        child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
+        child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        return child

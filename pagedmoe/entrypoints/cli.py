@@ -1,0 +1,78 @@
+import argparse
+import dataclasses
+import os
+import sys
+
+from pagedmoe.config import EngineConfig
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "models", "pagedmoe-moe-default")
+
+
+def add_engine_args(parser: argparse.ArgumentParser):
+    """Every EngineConfig field becomes --flag-name with the field's type and default."""
+    for field in dataclasses.fields(EngineConfig):
+        if not field.init or field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if field.type is bool or field.type == "bool":
+            parser.add_argument(flag, action="store_true", default=field.default)
+        else:
+            parser.add_argument(flag, type=_arg_type(field), default=field.default)
+
+
+def _arg_type(field):
+    text = str(field.type)
+    return int if "int" in text else float if "float" in text else str
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"}
+    return {name: getattr(args, name) for name in names}
+
+
+def cmd_generate(args):
+    from pagedmoe import LLM, SamplingParams
+    llm = LLM(args.model or DEFAULT_MODEL, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    for output in llm.generate(args.prompt, params, use_tqdm=False):
+        print(f"--- prompt: {output.prompt!r}\n{output.prompt}{output.outputs[0].text}")
+
+
+def cmd_run(args):
+    from pagedmoe.entrypoints.demo import run_demo
+    run_demo(DEFAULT_MODEL)
+
+
+def cmd_bench(args):
+    from pagedmoe.bench.cli import main as bench_main
+    bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedmoe", description="MoE + PagedAttention inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation for one or more prompts")
+    gen.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    sub.add_parser("run", help="pagedmoe's main job on the bundled default model").set_defaults(func=cmd_run)
+    bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

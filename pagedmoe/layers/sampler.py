@@ -1,0 +1,100 @@
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters for one step, as tensors on the logits' device."""
+    temperature: torch.Tensor  # [R]; 0 means greedy
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # [R]; 0 means off
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    output_counts: torch.Tensor | None  # [R, V] occurrences of each token in the output so far
+    prompt_mask: torch.Tensor | None  # [R, V] tokens present in the prompt
+    banned: torch.Tensor | None  # [R, V] tokens masked out (stop tokens before min_tokens)
+    generators: list[torch.Generator | None]
+    max_num_logprobs: int  # -1: no logprobs needed
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R]
+    logprobs: torch.Tensor | None  # [R] logprob of the sampled token under the model's distribution
+    ranks: torch.Tensor | None
+    top_ids: torch.Tensor | None  # [R, N]
+    top_logprobs: torch.Tensor | None
+
+
+class Sampler:
+    """Vectorised over the batch: penalties, masking, greedy or temperature/top-k/top-p/min-p sampling
+    by the exponential race (argmax p/q, q ~ Exp(1)), with per-row generators for seeded requests."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
+        logits = apply_penalties(logits, batch)
+        if batch.banned is not None:
+            logits = logits.masked_fill(batch.banned, float("-inf"))
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            sampled = self._sample(logits, batch)
+            token_ids = torch.where(batch.temperature == 0, token_ids, sampled)
+        return gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        probs = filter_top_k_top_p_min_p(logits / temperature[:, None], batch).softmax(dim=-1)
+        return (probs / exponential_noise(probs, batch.generators, self.generator)).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.output_counts is None:
+        return logits
+    seen = batch.output_counts > 0
+    if batch.prompt_mask is not None:
+        seen = seen | batch.prompt_mask
+    penalty = torch.where(seen, batch.repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+    return logits - batch.presence_penalty[:, None] * (batch.output_counts > 0)
+
+
+def filter_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    top_k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[-1])
+    drop = ranks >= top_k[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p[:, None]
+    drop |= sorted_probs < batch.min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False
+    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None],
+                      default: torch.Generator) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=default)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row] = torch.empty(probs.shape[-1]).exponential_(generator=generator).to(probs.device)
+    return noise
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, None)
+    token_logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (raw_logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
+    top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None)
+    return SamplerOutput(token_ids, token_logprobs, ranks, top_ids, top_logprobs)

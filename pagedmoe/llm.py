@@ -1,0 +1,74 @@
+import itertools
+import time
+
+from tqdm import tqdm
+
+from pagedmoe.engine.llm_engine import LLMEngine, PromptType
+from pagedmoe.outputs import RequestOutput
+from pagedmoe.sampling_params import SamplingParams
+
+
+class LLM:
+    """vLLM's offline API: LLM(model=DIR, **engine_args).generate(prompts, sampling_params)."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_list(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_ids.append(self._add(prompt, p))
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template (skip_tokenizer_init=True)")
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate([{"prompt": p, "prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids}
+                              for p in prompts], sampling_params, use_tqdm)
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        request_id = str(next(self._request_ids))
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        start, num_tokens = time.perf_counter(), 0
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        num_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {num_tokens / (time.perf_counter() - start):.1f} tok/s")
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)

@@ -1,0 +1,135 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedmoe.layers.attention.metadata import AttentionMetadata
+from pagedmoe.layers.attention.torch_backend import TorchPagedAttention
+from pagedmoe.layers.linear import MergedLinear
+from pagedmoe.layers.norm import RMSNorm
+from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+# HF projection name -> (our merged module, shard)
+STACKED_PARAMS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                  "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchPagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                        self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                         self.num_kv_heads * self.head_dim], dim=-1)
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, rotary, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x), meta)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Llama-family decoder (Llama, Qwen2, Qwen3). MoE families reuse it by overriding `make_mlp`."""
+    qk_norm = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
+        rotary = RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, self.qk_norm, self.make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return MLP(config.hidden_size, config.intermediate_size)
+
+    def kv_cache_token_shape(self) -> tuple[int, tuple[int, ...]]:
+        return 2, (self.config.num_key_value_heads, head_dim_of(self.config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return False
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in STACKED_PARAMS:
+            module_name, shard = STACKED_PARAMS[parts[-2]]
+            module = self.get_submodule(".".join(parts[:-2] + [module_name]))
+            module.load_shard(shard, parts[-1], tensor)
+            return True
+        return _copy_param(self, name, tensor)
+
+
+def _copy_param(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    try:
+        param = model.get_parameter(name)
+    except AttributeError:
+        return False
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+    return True
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    qk_norm = True

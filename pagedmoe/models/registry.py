@@ -1,0 +1,18 @@
+import importlib
+
+from torch import nn
+
+# architecture name -> "module:Class", imported on first use
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": "pagedmoe.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "pagedmoe.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagedmoe.models.llama:Qwen3ForCausalLM",
+}
+
+
+def resolve_model_class(config) -> type[nn.Module]:
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in MODEL_REGISTRY:
+            module_name, class_name = MODEL_REGISTRY[arch].split(":")
+            return getattr(importlib.import_module(module_name), class_name)
+    raise ValueError(f"architectures {config.architectures} not supported; known: {sorted(MODEL_REGISTRY)}")

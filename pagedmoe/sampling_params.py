@@ -1,0 +1,58 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self):
+        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]",
+               self.frequency_penalty)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be <= max_tokens", self.min_tokens)
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0", self.logprobs)
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0",
+               self.prompt_logprobs)
+        _check(all(s for s in self.stop_strings), "stop", "must not contain empty strings", self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, name: str, rule: str, value):
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")

@@ -1,0 +1,44 @@
+import json
+import os
+from glob import glob
+
+import torch
+from safetensors import safe_open
+
+from pagedmoe.config import EngineConfig
+from pagedmoe.models.registry import resolve_model_class
+
+
+def weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (pickled checkpoints are never loaded)")
+    return files
+
+
+def load_model(config: EngineConfig) -> torch.nn.Module:
+    cls = resolve_model_class(config.hf_config)
+    with torch.device(config.device):
+        model = cls(config.hf_config)
+    num_loaded = _load_weights(model, config.model)
+    num_expected = sum(p.numel() for p in model.parameters())
+    if num_loaded != num_expected:
+        raise ValueError(f"model: checkpoint in {config.model!r} filled {num_loaded} of {num_expected} "
+                         "parameter elements; weights are missing or duplicated")
+    return model.to(dtype=config.torch_dtype).eval()
+
+
+def _load_weights(model: torch.nn.Module, model_dir: str) -> int:
+    num_loaded = 0
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if model.load_weight(name, tensor):
+                    num_loaded += tensor.numel()
+    return num_loaded

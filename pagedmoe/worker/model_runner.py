@@ -1,0 +1,155 @@
+from dataclasses import dataclass
+
+import torch
+
+from pagedmoe.config import EngineConfig
+from pagedmoe.engine.scheduler import SchedulerOutput
+from pagedmoe.engine.sequence import Sequence
+from pagedmoe.layers.attention.metadata import build_attention_metadata
+from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
+from pagedmoe.worker.model_loader import load_model
+
+
+@dataclass
+class ModelRunnerOutput:
+    sample_seqs: list[Sequence]  # sequences that sampled this step
+    num_samples: list[int]  # rows per sequence (n when a prompt finishes and the request forks)
+    sampled: SamplerOutput  # rows in the order of sample_seqs, expanded by num_samples
+    prompt_logprobs: dict[int, tuple[int, torch.Tensor, torch.Tensor]]  # seq_id -> (first position, logprobs, ids)
+
+
+class ModelRunner:
+    """Turns a scheduled step into flat tensors and runs ONE forward for every scheduled sequence."""
+
+    def __init__(self, config: EngineConfig):
+        self.config, self.device = config, torch.device(config.device)
+        self.model = load_model(config)
+        self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
+        self.num_blocks, self.num_host_blocks = self._num_blocks()
+        self.kv_cache = KVCacheStorage(config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+                                       self.num_blocks, self.num_host_blocks, config.block_size,
+                                       config.torch_dtype, self.device)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+                           self.config.block_size, self.config.torch_dtype)
+
+    def _num_blocks(self) -> tuple[int, int]:
+        cfg = self.config
+        num_host = max(cfg.swap_space // self.block_bytes, 1)
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks, num_host
+        budget = cfg.kv_cache_memory or int(available_memory(self.device) * cfg.kv_cache_memory_fraction)
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        num_blocks = min(budget // self.block_bytes, useful)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block of {self.block_bytes} bytes")
+        return num_blocks, num_host
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.kv_cache.apply(sched.transfers)
+        input_ids, positions, meta, ends = self._prepare_inputs(sched)
+        hidden = self.model(input_ids, positions, meta)
+        sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s)]
+        num_samples = [_num_samples(seq) for seq in sample_seqs]
+        logits = self.model.compute_logits(hidden[self._sample_rows(sched, ends)])
+        logits = logits.repeat_interleave(torch.tensor(num_samples, dtype=torch.long, device=logits.device), dim=0)
+        sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
+        prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
+        return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs)
+
+    def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> torch.Tensor:
+        rows, offset = [], 0
+        for seq, num_new, end in zip(sched.seqs, sched.num_new_tokens, ends):
+            offset += num_new
+            if end == len(seq):
+                rows.append(offset - 1)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _prepare_inputs(self, sched: SchedulerOutput):
+        starts = [seq.num_computed_tokens for seq in sched.seqs]
+        ends = [start + n for start, n in zip(starts, sched.num_new_tokens)]
+        input_ids = [t for seq, start, end in zip(sched.seqs, starts, ends) for t in seq.token_ids[start:end]]
+        query_lens = torch.tensor(sched.num_new_tokens, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(sched.seqs)), query_lens)
+        query_start = torch.cumsum(query_lens, 0) - query_lens
+        positions = torch.arange(len(input_ids)) - (query_start - torch.tensor(starts))[seq_index]
+        block_tables = _pad_block_tables([seq.block_table for seq in sched.seqs])
+        bs = self.config.block_size
+        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
+        meta = build_attention_metadata(query_lens, torch.tensor(ends), block_tables, slot_mapping,
+                                        self.kv_cache.device_cache, bs, self.device)
+        return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta, ends)
+
+    def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:
+        rows = [(seq, i) for seq, n in zip(seqs, num_samples) for i in range(n)]
+        params = [seq.params for seq, _ in rows]
+        as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=self.device)
+        counts, prompt_mask = self._penalty_inputs(rows)
+        generators = [_row_generator(seq, i, n) for (seq, i), n in zip(rows, _repeat(num_samples))]
+        return SamplingBatch(
+            as_tensor([p.temperature for p in params]), as_tensor([p.top_p for p in params]),
+            as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
+            as_tensor([p.repetition_penalty for p in params]), as_tensor([p.presence_penalty for p in params]),
+            as_tensor([p.frequency_penalty for p in params]), counts, prompt_mask, self._banned(rows),
+            generators, max((p.logprobs for p in params if p.logprobs is not None), default=-1))
+
+    def _penalty_inputs(self, rows):
+        if not any(_has_penalty(seq.params) for seq, _ in rows):
+            return None, None
+        vocab = self.config.hf_config.vocab_size
+        counts = torch.zeros(len(rows), vocab, device=self.device)
+        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
+        for row, (seq, _) in enumerate(rows):
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=self.device)
+            counts[row].index_add_(0, out, torch.ones(len(out), device=self.device))
+            prompt_mask[row, torch.tensor(seq.token_ids[:seq.num_prompt_tokens], device=self.device)] = True
+        return counts, prompt_mask
+
+    def _banned(self, rows) -> torch.Tensor | None:
+        under_min = [(r, seq) for r, (seq, _) in enumerate(rows) if seq.num_output_tokens < seq.params.min_tokens]
+        if not under_min:
+            return None
+        banned = torch.zeros(len(rows), self.config.hf_config.vocab_size, dtype=torch.bool, device=self.device)
+        for row, seq in under_min:
+            stop_ids = list(seq.request.eos_token_ids | set(seq.params.stop_token_ids))
+            banned[row, torch.tensor(stop_ids, dtype=torch.long, device=self.device)] = True
+        return banned
+
+    def _prompt_logprobs(self, sched, ends, hidden) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        result, offset = {}, 0
+        for seq, num_new, end in zip(sched.seqs, sched.num_new_tokens, ends):
+            start, offset = end - num_new, offset + num_new
+            last = min(end, seq.num_prompt_tokens - 1)
+            if seq.request.needs_prompt_logprobs and seq.sample_index == 0 and last > start:
+                rows = hidden[offset - num_new: offset - num_new + last - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                result[seq.seq_id] = (start + 1, logprobs, torch.tensor(seq.token_ids[start + 1:last + 1]))
+        return result
+
+
+def _num_samples(seq: Sequence) -> int:
+    return seq.params.n if len(seq.request.seqs) < seq.params.n and seq.num_output_tokens == 0 else 1
+
+
+def _row_generator(seq: Sequence, row: int, num_rows: int) -> torch.Generator | None:
+    if seq.request.generators is None:
+        return None
+    return seq.request.generators[row] if num_rows > 1 else seq.generator
+
+
+def _repeat(num_samples: list[int]) -> list[int]:
+    return [n for n in num_samples for _ in range(n)]
+
+
+def _has_penalty(params) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)

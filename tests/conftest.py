@@ -1,0 +1,86 @@
+import pytest
+import torch
+import transformers
+
+from pagedmoe.engine.llm_engine import LLMEngine
+
+VOCAB = 320
+TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+        "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. ") * 20
+
+
+def tiny_dense_config(arch: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=None, bos_token_id=0, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+    else:
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def save_random_model(cfg, path, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5) if p.dim() == 1 else p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def save_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def dense_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_random_model(tiny_dense_config(request.param), path)
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """A tiny Qwen3 with a real (tiny) byte-level BPE tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("qwen3-text")
+    tokenizer = save_tokenizer(path)
+    cfg = tiny_dense_config("qwen3", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = save_random_model(cfg, path, seed=1)
+    return str(path), model, tokenizer
+
+
+def make_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()
+    return [torch.randint(1, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_all_blocks_free(engine: LLMEngine):
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
+    assert all(c == 0 for c in engine.kv.pool.ref_counts)
