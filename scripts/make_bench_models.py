@@ -1,0 +1,31 @@
+"""Random-weight benchmark checkpoints (float32 safetensors), built with transformers.
+
+    python scripts/make_bench_models.py OUT_DIR
+
+writes OUT_DIR/qwen3-100m: a ~100M-parameter dense Qwen3-shaped model (hidden 768, 12 layers, 12 heads /
+4 KV heads, head_dim 64, intermediate 2048, vocab 32000, tied embeddings).
+"""
+import os
+import sys
+
+import torch
+import transformers
+
+
+def qwen3_100m_config() -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                    num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                                    max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=None)
+
+
+def save(config, path: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{path}: {num_params / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "runs/bench-models"
+    save(qwen3_100m_config(), os.path.join(out, "qwen3-100m"))
