@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.2
     swap_space: int = 1 << 28
     preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None

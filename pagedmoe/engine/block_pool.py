@@ -2,13 +2,17 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    """Ref-counted KV blocks with an O(1) LRU free list (an OrderedDict used as a linked list):
-    free blocks are taken from the front, and a freed block goes to the back."""
+    """Ref-counted KV blocks with an O(1) LRU free list (an OrderedDict used as a linked list): free blocks
+    are taken from the front, a freed block goes to the back. A full block may carry its chained hash; it
+    stays findable in `cached` after it is freed, until it is reallocated (evicted) in LRU order."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -22,8 +26,16 @@ class BlockPool:
         if not self.free_blocks:
             raise RuntimeError("block pool exhausted")
         block_id, _ = self.free_blocks.popitem(last=False)
+        self._evict(block_id)
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _evict(self, block_id: int):
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block_id] = None
+            self.num_evictions += 1
 
     def incref(self, block_id: int):
         if self.ref_counts[block_id] == 0:
@@ -39,3 +51,11 @@ class BlockPool:
 
     def is_shared(self, block_id: int) -> bool:
         return self.ref_counts[block_id] > 1
+
+    def cache(self, block_id: int, block_hash: bytes):
+        if block_hash not in self.cached and self.block_hashes[block_id] is None:
+            self.cached[block_hash] = block_id
+            self.block_hashes[block_id] = block_hash
+
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_blocks if self.block_hashes[b] is not None)

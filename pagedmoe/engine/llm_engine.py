@@ -3,6 +3,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 
+import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from pagedmoe.config import EngineConfig
@@ -30,6 +31,9 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_finished_requests: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached (not computed)
+    expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
 
     @property
     def kv_cache_usage(self) -> float:
@@ -44,12 +48,15 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
+                                 config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
+        shape = self.runner.expert_load_shape
+        self.expert_load = torch.zeros(shape, dtype=torch.long) if shape else None
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -60,12 +67,16 @@ class LLMEngine:
         return cls(EngineConfig(model=model, **kwargs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """prompt: text, token ids, or a dict with "prompt" / "prompt_token_ids" and optional "cache_salt"
+        (requests with different salts never share cached KV blocks)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
         text, token_ids = self._tokenize(prompt)
         params = self._check_lengths(token_ids, params)
-        request = Request(request_id, text, token_ids, params, arrival_time)
+        request = Request(request_id, text, token_ids, params, arrival_time, cache_salt)
         request.eos_token_ids = set() if params.ignore_eos else self.eos_token_ids
         seq = Sequence(next(self._seq_ids), request, list(token_ids))
         request.seqs.append(seq)
@@ -133,6 +144,8 @@ class LLMEngine:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             self.num_prompt_tokens += max(min(seq.num_computed_tokens, seq.num_prompt_tokens)
                                           - (seq.num_computed_tokens - num_new), 0)
+        if out.expert_load is not None:
+            self.expert_load += out.expert_load.cpu()
         self._append_prompt_logprobs(sched, out)
         touched = self._append_samples(out, now)
         return [self._make_output(request, now) for request in touched]
@@ -226,14 +239,16 @@ class LLMEngine:
                                     s.logprobs, s.finish_reason, s.stop_reason)
                    for s in sorted(request.seqs, key=lambda s: s.sample_index)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             request.prompt_logprobs, outputs, finished, request.metrics)
+                             request.prompt_logprobs, outputs, finished, request.metrics,
+                             request.num_cached_tokens or 0)
 
     def get_stats(self) -> EngineStats:
         pool, sched = self.kv.pool, self.scheduler
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_blocks,
                            pool.num_used_blocks, pool.num_free_blocks, sched.num_preemptions["recompute"],
                            sched.num_preemptions["swap"], self.num_prompt_tokens, self.num_generation_tokens,
-                           self.num_finished_requests)
+                           self.num_finished_requests, self.kv.num_queried_tokens, self.kv.num_hit_tokens,
+                           [] if self.expert_load is None else self.expert_load.tolist())
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

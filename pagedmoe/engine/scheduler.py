@@ -99,9 +99,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(seq, num_new):
+            cached = self.kv.find_cached_prefix(seq) if not seq.block_table else []
+            num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget)
+            if not self.kv.allocate_slots(seq, num_new, cached):
                 break
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+            if self.kv.enable_caching:
+                self.kv.record_prefix_lookup(len(seq), len(cached) * self.kv.block_size)
             budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
         return budget
 

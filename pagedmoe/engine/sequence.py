@@ -18,8 +18,10 @@ class Request:
     """One user request: its prompt, parameters and the n sequences sampled from it."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.cache_salt = cache_salt
+        self.num_cached_tokens: int | None = None
         self.params = params
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.generators = _make_generators(params)
@@ -51,6 +53,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.host_block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
@@ -86,6 +90,7 @@ class Sequence:
     def fork(self, seq_id: int, sample_index: int) -> "Sequence":
         child = Sequence(seq_id, self.request, list(self.token_ids), sample_index)
         child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
+        child.block_hashes, child.num_cached_blocks = list(self.block_hashes), self.num_cached_blocks
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child

@@ -7,12 +7,13 @@ from pagedmoe.engine.sequence import Request, Sequence
 from pagedmoe.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
-OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "swap"]), st.integers(0, 50),
+OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "swap", "prefix"]), st.integers(0, 50),
                          st.integers(1, 9)), max_size=80)
 
 
 def _seq(seq_id: int, num_tokens: int) -> Sequence:
     request = Request(str(seq_id), None, list(range(num_tokens)), SamplingParams())
+    request.seqs = []
     return Sequence(seq_id, request, list(range(num_tokens)))
 
 
@@ -24,6 +25,7 @@ def check_invariants(kv: KVCacheManager, seqs: list[Sequence]):
                 refs[block_id] += 1
         assert refs == pool.ref_counts
         assert all(r >= 0 for r in pool.ref_counts)
+        assert all(pool.block_hashes[b] == h for h, b in pool.cached.items())
         assert set(pool.free_blocks) == {b for b, r in enumerate(pool.ref_counts) if r == 0}
     for seq in seqs:
         assert len(seq.block_table) in (0, -(-seq.num_computed_tokens // BLOCK_SIZE))
@@ -32,9 +34,11 @@ def check_invariants(kv: KVCacheManager, seqs: list[Sequence]):
 def _append(kv, seq, num_new):
     if seq.host_block_table and kv.can_swap_in(seq, num_new):
         kv.swap_in(seq)
-    if not seq.host_block_table and kv.allocate_slots(seq, num_new):
+    if seq.host_block_table:
+        return
+    seq.token_ids += [seq.seq_id % 3] * (seq.num_computed_tokens + num_new - len(seq.token_ids))
+    if kv.allocate_slots(seq, num_new):
         seq.num_computed_tokens += num_new
-        seq.token_ids += [0] * num_new
 
 
 @settings(max_examples=150, deadline=None)
@@ -57,6 +61,14 @@ def test_block_accounting_invariants(ops):
             seqs.remove(seq)
         elif op == "swap" and seq.block_table and kv.can_swap_out(seq):
             kv.swap_out(seq)
+        elif op == "prefix" and len(seq.token_ids) > 1:
+            twin = _seq(len(seqs) + 100, 0)
+            twin.token_ids = list(seq.token_ids)
+            cached = kv.find_cached_prefix(twin)
+            num_new = len(twin.token_ids) - len(cached) * BLOCK_SIZE
+            if kv.allocate_slots(twin, num_new, cached):
+                twin.num_computed_tokens = len(twin.token_ids)
+            seqs.append(twin)
         check_invariants(kv, seqs)
     for seq in seqs:
         kv.free(seq)
