@@ -18,7 +18,9 @@ def head_dim_of(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool):
+    """qk_norm: None, "head" (Qwen3: RMSNorm per head) or "full" (OLMoE: RMSNorm over all heads)."""
+
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -26,8 +28,10 @@ class Attention(nn.Module):
         bias = getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qk_norm, self.clip_qkv = qk_norm, getattr(config, "clip_qkv", None)
+        q_norm_size, k_norm_size = (q_size, kv_size) if qk_norm == "full" else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attn = TorchPagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                                         self.head_dim ** -0.5)
@@ -35,8 +39,12 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                          self.num_kv_heads * self.head_dim], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
@@ -55,7 +63,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, rotary, qk_norm)
         self.mlp = mlp
@@ -69,7 +77,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """Llama-family decoder (Llama, Qwen2, Qwen3). MoE families reuse it by overriding `make_mlp`."""
-    qk_norm = False
+    qk_norm: str | None = None
+    weight_renames: dict[str, str] = {}
 
     def __init__(self, config):
         super().__init__()
@@ -99,14 +108,27 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @property
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer.mlp for layer in self.layers if hasattr(layer.mlp, "moe_index")]
+
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         name = name.removeprefix("model.")
+        for old, new in self.weight_renames.items():
+            name = name.replace(old, new)
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return False
         parts = name.split(".")
+        if len(parts) > 3 and parts[0] == "layers" and parts[2] == "mlp" and parts[1].isdigit():
+            mlp = self.layers[int(parts[1])].mlp if int(parts[1]) < len(self.layers) else None
+            if hasattr(mlp, "moe_index"):
+                return mlp.load_weight(".".join(parts[3:]), tensor)
         if len(parts) >= 2 and parts[-2] in STACKED_PARAMS:
             module_name, shard = STACKED_PARAMS[parts[-2]]
-            module = self.get_submodule(".".join(parts[:-2] + [module_name]))
+            try:
+                module = self.get_submodule(".".join(parts[:-2] + [module_name]))
+            except AttributeError:
+                return False
             module.load_shard(shard, parts[-1], tensor)
             return True
         return _copy_param(self, name, tensor)
@@ -132,4 +154,4 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
-    qk_norm = True
+    qk_norm = "head"

@@ -7,6 +7,10 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": "pagedmoe.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedmoe.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagedmoe.models.llama:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "pagedmoe.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedmoe.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedmoe.models.qwen_moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "pagedmoe.models.olmoe:OlmoeForCausalLM",
 }
 
 

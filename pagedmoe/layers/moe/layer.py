@@ -1,0 +1,102 @@
+"""FusedMoE: router gate + routed experts (w13 [E, 2I, H], w2 [E, H, I]) + optional shared expert."""
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
+from pagedmoe.layers.moe.routers import RouterConfig, select_experts
+from pagedmoe.layers.moe.shared_expert import SharedExpert
+from pagedmoe.layers.moe.weight_utils import copy_weight
+
+PER_EXPERT_NAME = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+GATE_PROJS, UP_PROJS = ("w1", "gate_proj"), ("w3", "up_proj")
+FUSED_NAMES = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2",
+               "experts.gate_up_proj_bias": "w13_bias", "experts.down_proj_bias": "w2_bias"}
+ALIASES = {"router.weight": "gate.weight", "router.bias": "gate.bias",
+           "gate.e_score_correction_bias": "e_score_correction_bias"}
+
+
+def deinterleave(gate_up: Tensor) -> Tensor:
+    return torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
+
+
+def from_gpt_oss_layout(name: str, tensor: Tensor) -> Tensor:
+    if name == "experts.gate_up_proj":
+        return deinterleave(tensor).transpose(1, 2)
+    if name == "experts.gate_up_proj_bias":
+        return deinterleave(tensor)
+    if name == "experts.down_proj":
+        return tensor.transpose(1, 2)
+    return tensor
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
+                 activation: str = "silu", expert_bias: bool = False, gate_bias: bool = False,
+                 shared_intermediate_size: int = 0, shared_expert_gate: bool = False, **factory):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.router, self.activation = router, activation
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.w13_bias = self.w2_bias = None
+        if expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        self.gate = nn.Linear(hidden_size, num_experts, bias=gate_bias, **factory)
+        self.e_score_correction_bias = (
+            nn.Buffer(torch.zeros(num_experts, dtype=torch.float32, device=factory.get("device")))
+            if router.has_correction_bias else None)
+        self.shared_experts = (SharedExpert(hidden_size, shared_intermediate_size, **factory)
+                               if shared_intermediate_size else None)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
+
+    def router_logits(self, x: Tensor) -> Tensor:
+        if not self.router.fp32_logits:
+            return self.gate(x)
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        return F.linear(x.float(), self.gate.weight.float(), bias)
+
+    def shared_output(self, x: Tensor) -> Tensor:
+        out = self.shared_experts(x)
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
+
+    def forward(self, x: Tensor, expert_load: Tensor | None = None) -> Tensor:
+        topk_weights, topk_ids = select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
+        if expert_load is not None:
+            expert_load += expert_counts(topk_ids, self.num_experts)
+        out = fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
+                            self.w13_bias, self.w2_bias)
+        return out if self.shared_experts is None else out + self.shared_output(x)
+
+    def expert_shard(self, expert: int, proj: str) -> Tensor:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range for {self.num_experts} experts")
+        if proj in GATE_PROJS:
+            return self.w13[expert, :self.intermediate_size]
+        if proj in UP_PROJS:
+            return self.w13[expert, self.intermediate_size:]
+        return self.w2[expert]
+
+    def load_weight(self, name: str, tensor: Tensor) -> bool:
+        """Load one checkpoint tensor named relative to the MoE block; False if the name is unknown."""
+        if match := PER_EXPERT_NAME.fullmatch(name):
+            copy_weight(self.expert_shard(int(match[1]), match[2]), tensor, name)
+            return True
+        if name in FUSED_NAMES:
+            if self.activation == "swigluoai":
+                tensor = from_gpt_oss_layout(name, tensor)
+            name = FUSED_NAMES[name]
+        name = ALIASES.get(name, name).replace("shared_expert.", "shared_experts.")
+        if name.startswith("shared_experts.") and self.shared_experts is not None:
+            return self.shared_experts.load_weight(name.removeprefix("shared_experts."), tensor)
+        return self.load_own(name, tensor)
+
+    def load_own(self, name: str, tensor: Tensor) -> bool:
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
+        if name not in params:
+            return False
+        copy_weight(params[name], tensor, name)
+        return True
