@@ -17,6 +17,7 @@ class ModelRunnerOutput:
     num_samples: list[int]  # rows per sequence (n when a prompt finishes and the request forks)
     sampled: SamplerOutput  # rows in the order of sample_seqs, expanded by num_samples
     prompt_logprobs: dict[int, tuple[int, torch.Tensor, torch.Tensor]]  # seq_id -> (first position, logprobs, ids)
+    expert_load: torch.Tensor | None  # [num_moe_layers, num_experts] tokens routed this step
 
 
 class ModelRunner:
@@ -31,6 +32,8 @@ class ModelRunner:
                                        self.num_blocks, self.num_host_blocks, config.block_size,
                                        config.torch_dtype, self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        moe_layers = getattr(self.model, "moe_layers", [])
+        self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
 
     @property
     def block_bytes(self) -> int:
@@ -53,14 +56,17 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.kv_cache.apply(sched.transfers)
         input_ids, positions, meta, ends = self._prepare_inputs(sched)
+        if self.expert_load_shape:
+            meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
         logits = self.model.compute_logits(hidden[self._sample_rows(sched, ends)])
-        logits = logits.repeat_interleave(torch.tensor(num_samples, dtype=torch.long, device=logits.device), dim=0)
+        if any(n > 1 for n in num_samples):
+            logits = logits.repeat_interleave(torch.tensor(num_samples, device=logits.device), dim=0)
         sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
         prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
-        return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs)
+        return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load)
 
     def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> torch.Tensor:
         rows, offset = [], 0
