@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,7 +14,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m pagedmoe run
 
-test: $(STAMP)
+chromium:
+	bash scripts/install_chromium.sh
+
+test: $(STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

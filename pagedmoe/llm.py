@@ -3,6 +3,7 @@ import time
 
 from tqdm import tqdm
 
+from pagedmoe.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedmoe.engine.llm_engine import LLMEngine, PromptType
 from pagedmoe.outputs import RequestOutput
 from pagedmoe.sampling_params import SamplingParams
@@ -47,7 +48,15 @@ class LLM:
         return self.generate([{"prompt": p, "prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids}
                               for p in prompts], sampling_params, use_tqdm)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def beam_search(self, prompts: list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the beams of each prompt are forks of one sequence sharing KV blocks."""
+        request_ids = [self._add(prompt, params) for prompt in _as_list(prompts)]
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + o.token_ids, o.cumulative_logprob,
+                                                     o.text, o.finish_reason) for o in out.outputs])
+                for out in self._run(request_ids, use_tqdm)]
+
+    def _add(self, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._request_ids))
         self.engine.add_request(request_id, prompt, params)
         return request_id

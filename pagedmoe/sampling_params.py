@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -32,6 +33,7 @@ class SamplingParams:
 
     def _validate(self):
         _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(self.best_of is None or self.best_of >= self.n, "best_of", "must be >= n", self.best_of)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
@@ -47,6 +49,10 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0",
                self.prompt_logprobs)
         _check(all(s for s in self.stop_strings), "stop", "must not contain empty strings", self.stop)
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:

@@ -166,7 +166,7 @@ class AsyncLLMEngine:
             while not self._stopping.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 self._deliver(self.engine.step())
-                self._publish()
+                self._publish(force=not self.engine.has_unfinished_requests())
         except BaseException as e:
             self._die(e)
         else:
@@ -197,6 +197,9 @@ class AsyncLLMEngine:
         except ValueError as e:
             command.stream.put(e)
             return
+        except BaseException as e:
+            command.stream.put(EngineDeadError(f"engine failed adding the request: {e!r}"))
+            raise
         self._streams[command.request_id] = command.stream
         command.stream.put(ACCEPTED)
 
@@ -207,8 +210,8 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(_detach(output))
 
-    def _publish(self):
-        if time.time() - self.snapshot.time >= self.snapshot_interval:
+    def _publish(self, force: bool):
+        if force or time.time() - self.snapshot.time >= self.snapshot_interval:
             self.snapshot = take_snapshot(self.engine)
 
     def _die(self, error: BaseException):
@@ -234,9 +237,9 @@ def _detach(output: RequestOutput) -> RequestOutput:
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
     pool = engine.kv.pool
-    cached = getattr(pool, "cached", None) or ()
-    states = tuple(SHARED if count > 1 else USED if count == 1 else CACHED if block in cached else FREE
-                   for block, count in enumerate(pool.ref_counts))
+    hashes = getattr(pool, "block_hashes", None) or [None] * pool.num_blocks
+    states = tuple(SHARED if count > 1 else USED if count == 1 else FREE if block_hash is None else CACHED
+                   for count, block_hash in zip(pool.ref_counts, hashes))
     stats = engine.get_stats()
     return EngineSnapshot(time.time(), stats, states, _as_lists(getattr(stats, "expert_load", None)))
 

@@ -97,7 +97,9 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence):
         for block_id in parent.block_table:
             self.pool.incref(block_id)
-        child.block_table = list(parent.block_table)
+        for block_id in parent.host_block_table:
+            self.host_pool.incref(block_id)
+        child.block_table, child.host_block_table = list(parent.block_table), list(parent.host_block_table)
 
     def free(self, seq: Sequence):
         for block_id in reversed(seq.block_table):

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import os
 import time
@@ -6,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from pagedmoe.beam_search import BeamCandidate, BeamSearchParams, beam_score, select_beams
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.detokenizer import Detokenizer
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
@@ -66,17 +68,23 @@ class LLMEngine:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
         return cls(EngineConfig(model=model, **kwargs))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """prompt: text, token ids, or a dict with "prompt" / "prompt_token_ids" and optional "cache_salt"
-        (requests with different salts never share cached KV blocks)."""
+        (requests with different salts never share cached KV blocks). BeamSearchParams run beam search:
+        the beams are forks of one sequence, sharing blocks copy-on-write."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam:
+            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=beam.ignore_eos,
+                                    logprobs=2 * beam.beam_width)
         text, token_ids = self._tokenize(prompt)
         params = self._check_lengths(token_ids, params)
         request = Request(request_id, text, token_ids, params, arrival_time, cache_salt)
+        request.beam = beam
         request.eos_token_ids = set() if params.ignore_eos else self.eos_token_ids
         seq = Sequence(next(self._seq_ids), request, list(token_ids))
         request.seqs.append(seq)
@@ -166,14 +174,60 @@ class LLMEngine:
         token_ids = sampled.token_ids.tolist()
         row, touched = 0, {}
         for seq, num_samples in zip(out.sample_seqs, out.num_samples):
-            seqs = [seq] + self._fork(seq, num_samples)
-            for s in seqs:
-                self._append_token(s, token_ids[row], sampled, row)
+            if seq.request.beam is not None:
+                seq.beam_candidates = _beam_candidates(seq, sampled, row)
                 row += 1
+            else:
+                for s in [seq] + self._fork(seq, num_samples):
+                    self._append_token(s, token_ids[row], sampled, row)
+                    row += 1
             touched[seq.request.request_id] = seq.request
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
             seq.request.metrics.last_token_time = now
+        for request in touched.values():
+            if request.beam is not None:
+                self._step_beams(request)
         return list(touched.values())
+
+    def _step_beams(self, request: Request):
+        live = [s for s in request.seqs if not s.is_finished]
+        if any(s.beam_candidates is None for s in live):
+            return
+        candidates = [dataclasses.replace(c, beam_index=i) for i, s in enumerate(live) for c in s.beam_candidates]
+        chosen, finished = select_beams(candidates, request.beam.beam_width, request.eos_token_ids)
+        for cand in finished:
+            request.finished_beams.append(self._finished_beam(live[cand.beam_index], cand))
+        new_beams = self._extend_beams(live, chosen)
+        for seq in live:
+            seq.beam_candidates = None
+            if seq not in new_beams:
+                self.scheduler.finish(seq)
+        request.seqs = [s for s in request.seqs if s in new_beams or s.finish_reason == "length"]
+
+    def _extend_beams(self, live: list[Sequence], chosen: list[BeamCandidate]) -> list[Sequence]:
+        new_beams = []
+        for index, seq in enumerate(live):
+            mine = [c for c in chosen if c.beam_index == index]
+            forks = self._fork(seq, len(mine)) if mine else []
+            for beam, cand in zip([seq] + forks, mine):
+                beam.beam_candidates = None
+                self._append_beam_token(beam, cand)
+                new_beams.append(beam)
+        return new_beams
+
+    def _append_beam_token(self, seq: Sequence, cand: BeamCandidate):
+        seq.token_ids.append(cand.token_id)
+        seq.cumulative_logprob = cand.score
+        self.num_generation_tokens += 1
+        self.detokenizer.append(seq, cand.token_id)
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+
+    def _finished_beam(self, parent: Sequence, cand: BeamCandidate) -> Sequence:
+        beam = Sequence(next(self._seq_ids), parent.request, parent.token_ids + [cand.token_id])
+        beam.cumulative_logprob, beam.output_text, beam.finish_reason = cand.score, parent.output_text, "stop"
+        return beam
 
     def _fork(self, parent: Sequence, num_samples: int) -> list[Sequence]:
         children = [parent.fork(next(self._seq_ids), i) for i in range(1, num_samples)]
@@ -235,9 +289,9 @@ class LLMEngine:
             request.metrics.finished_time = now
             self.requests.pop(request.request_id, None)
             self.num_finished_requests += 1
-        outputs = [CompletionOutput(s.sample_index, s.output_text, s.output_token_ids, s.cumulative_logprob,
+        outputs = [CompletionOutput(i, s.output_text, s.output_token_ids, s.cumulative_logprob,
                                     s.logprobs, s.finish_reason, s.stop_reason)
-                   for s in sorted(request.seqs, key=lambda s: s.sample_index)]
+                   for i, s in enumerate(_ranked_seqs(request, finished))]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished, request.metrics,
                              request.num_cached_tokens or 0)
@@ -249,6 +303,25 @@ class LLMEngine:
                            sched.num_preemptions["swap"], self.num_prompt_tokens, self.num_generation_tokens,
                            self.num_finished_requests, self.kv.num_queried_tokens, self.kv.num_hit_tokens,
                            [] if self.expert_load is None else self.expert_load.tolist())
+
+
+def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:
+    """Samples in order; best_of keeps the n with the highest cumulative logprob once finished; beam search
+    ranks finished hypotheses and beams by length-penalised score."""
+    if request.beam is not None:
+        seqs = request.finished_beams + request.seqs
+        penalty = request.beam.length_penalty
+        ranked = sorted(seqs, key=lambda s: -beam_score(s.cumulative_logprob, s.num_output_tokens, penalty))
+        return ranked[:request.beam.beam_width]
+    seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+    if finished and request.params.num_samples > request.params.n:
+        seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:request.params.n]
+    return seqs
+
+
+def _beam_candidates(seq: Sequence, sampled, row: int) -> list[BeamCandidate]:
+    ids, values = sampled.top_ids[row].tolist(), sampled.top_logprobs[row].tolist()
+    return [BeamCandidate(seq.cumulative_logprob + v, -1, t, v) for t, v in zip(ids, values)]
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

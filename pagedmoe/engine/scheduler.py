@@ -56,6 +56,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                index += 1
+                continue
             if not self._allocate_or_preempt(seq, num_new):
                 break
             out.seqs.append(seq)
@@ -118,18 +121,22 @@ class Scheduler:
         return budget - num_new
 
     def add_forks(self, parent: Sequence, children: list[Sequence]):
-        index = self.running.index(parent) + 1
-        for child in children:
+        queue = self._queue_of(parent)
+        index = list(queue).index(parent) + 1
+        for offset, child in enumerate(children):
             self.kv.fork(parent, child)
-        self.running[index:index] = children
+            queue.insert(index + offset, child)
 
     def finish(self, seq: Sequence):
         self._remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def _queue_of(self, seq: Sequence):
+        return {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+
     def _remove(self, seq: Sequence):
-        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
-                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        queue = self._queue_of(seq)
         if queue is not None and seq in queue:
             queue.remove(seq)

@@ -29,6 +29,8 @@ class Request:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.seqs: list[Sequence] = []
+        self.beam = None  # BeamSearchParams for a beam-search request
+        self.finished_beams: list[Sequence] = []
 
     @property
     def is_finished(self) -> bool:
@@ -42,7 +44,7 @@ class Request:
 def _make_generators(params: SamplingParams) -> list[torch.Generator] | None:
     if params.seed is None:
         return None
-    return [torch.Generator().manual_seed(params.seed + i) for i in range(params.n)]
+    return [torch.Generator().manual_seed(params.seed + i) for i in range(params.num_samples)]
 
 
 class Sequence:
@@ -62,6 +64,7 @@ class Sequence:
         self.decode_stream = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.beam_candidates = None  # list[BeamCandidate] sampled but not yet selected
 
     def __len__(self) -> int:
         return len(self.token_ids)

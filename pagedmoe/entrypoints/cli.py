@@ -40,6 +40,11 @@ def cmd_generate(args):
         print(f"--- prompt: {output.prompt!r}\n{output.prompt}{output.outputs[0].text}")
 
 
+def cmd_serve(args):
+    from pagedmoe.entrypoints.openai.cli_args import main as serve_main
+    serve_main(args)
+
+
 def cmd_run(args):
     from pagedmoe.entrypoints.demo import run_demo
     run_demo(DEFAULT_MODEL)
@@ -63,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("run", help="pagedmoe's main job on the bundled default model").set_defaults(func=cmd_run)
+    from pagedmoe.entrypoints.openai.cli_args import add_serve_args
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a live /dashboard")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)

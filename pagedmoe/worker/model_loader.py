@@ -26,10 +26,10 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     with torch.device(config.device):
         model = cls(config.hf_config)
     num_loaded = _load_weights(model, config.model)
-    num_expected = sum(p.numel() for p in model.parameters())
+    num_expected = sum(t.numel() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
     if num_loaded != num_expected:
         raise ValueError(f"model: checkpoint in {config.model!r} filled {num_loaded} of {num_expected} "
-                         "parameter elements; weights are missing or duplicated")
+                         "weight elements; weights are missing or duplicated")
     return model.to(dtype=config.torch_dtype).eval()
 
 

@@ -102,7 +102,7 @@ class ModelRunner:
             as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
             as_tensor([p.repetition_penalty for p in params]), as_tensor([p.presence_penalty for p in params]),
             as_tensor([p.frequency_penalty for p in params]), counts, prompt_mask, self._banned(rows),
-            generators, max((p.logprobs for p in params if p.logprobs is not None), default=-1))
+            generators, max((_num_logprobs(p) for p in params), default=-1))
 
     def _penalty_inputs(self, rows):
         if not any(_has_penalty(seq.params) for seq, _ in rows):
@@ -139,7 +139,14 @@ class ModelRunner:
 
 
 def _num_samples(seq: Sequence) -> int:
-    return seq.params.n if len(seq.request.seqs) < seq.params.n and seq.num_output_tokens == 0 else 1
+    num = seq.params.num_samples
+    return num if len(seq.request.seqs) < num and seq.num_output_tokens == 0 else 1
+
+
+def _num_logprobs(params) -> int:
+    if params.logprobs is not None:
+        return params.logprobs
+    return 0 if params.num_samples > params.n else -1
 
 
 def _row_generator(seq: Sequence, row: int, num_rows: int) -> torch.Generator | None:

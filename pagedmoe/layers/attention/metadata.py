@@ -18,6 +18,7 @@ class AttentionMetadata:
     kv_caches: torch.Tensor  # [num_layers, ...] paged storage, one entry per layer
     groups: list[AttentionGroup]
     block_size: int
+    expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
 
 
 def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

@@ -1,0 +1,35 @@
+"""`pagedmoe serve` arguments. Imports nothing heavy, so building the CLI parser stays fast."""
+import argparse
+import os
+
+from pagedmoe.entrypoints.cli import DEFAULT_MODEL, add_engine_args, engine_kwargs
+
+
+def add_serve_args(parser: argparse.ArgumentParser):
+    parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the bundled model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDMOE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDMOE_API_KEY)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients pass as `model` (default: MODEL as given)")
+    parser.add_argument("--max-waiting-requests", type=int, default=512,
+                        help="requests the scheduler may hold unadmitted before answering 503")
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    parser.add_argument("--log-level", default="info")
+    add_engine_args(parser)
+
+
+def main(args: argparse.Namespace):
+    from pagedmoe.entrypoints.openai.server import run_server
+    model = args.model or DEFAULT_MODEL
+    run_server(model, args.host, args.port, args.api_key,
+               served_model_name=args.served_model_name or args.model or os.path.basename(DEFAULT_MODEL),
+               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_request_body_bytes,
+               log_level=args.log_level, **engine_kwargs(args))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pagedmoe serve")
+    add_serve_args(parser)
+    main(parser.parse_args())

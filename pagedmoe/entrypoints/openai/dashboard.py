@@ -1,0 +1,40 @@
+"""/dashboard: one static page that polls /dashboard/stats, a JSON view of the engine snapshot."""
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+
+from pagedmoe.entrypoints.openai.serving import ServingContext
+
+PAGE = Path(__file__).parent / "static" / "dashboard.html"
+
+
+def dashboard_router(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
+    page = PAGE.read_text()
+
+    @router.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        return page
+
+    @router.get("/dashboard/stats")
+    async def stats():
+        return dashboard_stats(ctx)
+    return router
+
+
+def dashboard_stats(ctx: ServingContext) -> dict:
+    snap = ctx.client.snapshot
+    s = snap.stats
+    return {"time": snap.time, "model": ctx.model_name, "healthy": ctx.client.is_healthy,
+            "running": s.num_running, "waiting": s.num_waiting, "swapped": s.num_swapped,
+            "kv_blocks": {"total": s.num_kv_blocks_total, "used": s.num_kv_blocks_used,
+                          "free": s.num_kv_blocks_free, "usage": s.kv_cache_usage},
+            "block_states": snap.block_states,
+            "prompt_tokens": s.num_prompt_tokens, "generation_tokens": s.num_generation_tokens,
+            "finished_requests": s.num_finished_requests,
+            "preemptions": s.num_preemptions_recompute + s.num_preemptions_swap,
+            "prefix_cache": {"queries": getattr(s, "prefix_cache_queries", 0),
+                             "hits": getattr(s, "prefix_cache_hits", 0)},
+            "ttft": ctx.metrics.percentiles("ttft"), "itl": ctx.metrics.percentiles("itl"),
+            "expert_load": snap.expert_load}

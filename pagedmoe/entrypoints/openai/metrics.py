@@ -1,0 +1,113 @@
+"""Prometheus metrics under vLLM's names with a `pagedmoe:` prefix, in a per-app registry.
+Engine state is read from the engine thread's latest snapshot at scrape time; request latencies
+are observed by the handlers from the engine's per-request timestamps."""
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedmoe.engine.async_engine import AsyncLLMEngine
+from pagedmoe.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+WINDOW = 4096
+
+
+class EngineCollector(Collector):
+    def __init__(self, client: AsyncLLMEngine, model_name: str):
+        self.client, self.labels = client, {"model_name": model_name}
+
+    def collect(self):
+        snap = self.client.snapshot
+        stats = snap.stats
+        yield self._gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", stats.kv_cache_usage)
+        yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.",
+                            getattr(stats, "prefix_cache_queries", 0))
+        yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.",
+                            getattr(stats, "prefix_cache_hits", 0))
+        yield self._counter("num_preemptions", "Preemptions (recompute and swap).",
+                            stats.num_preemptions_recompute + stats.num_preemptions_swap)
+        yield self._counter("prompt_tokens", "Prefill tokens processed.", stats.num_prompt_tokens)
+        yield self._counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        if snap.expert_load:
+            yield self._expert_tokens(snap.expert_load)
+
+    def _gauge(self, name: str, doc: str, value) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"pagedmoe:{name}", doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def _counter(self, name: str, doc: str, value) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"pagedmoe:{name}", doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def _expert_tokens(self, load: list[list[int]]) -> CounterMetricFamily:
+        family = CounterMetricFamily("pagedmoe:expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                     labels=[*self.labels, "layer", "expert"])
+        for layer, counts in enumerate(load):
+            for expert, count in enumerate(counts):
+                family.add_metric([*self.labels.values(), str(layer), str(expert)], count)
+        return family
+
+
+class ServerMetrics:
+    def __init__(self, client: AsyncLLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(client, model_name))
+        self.model_name = model_name
+        self.request_success = Counter("pagedmoe:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.recent = {"ttft": deque(maxlen=WINDOW), "itl": deque(maxlen=WINDOW)}
+
+    def _histogram(self, name: str, doc: str):
+        return Histogram(f"pagedmoe:{name}", doc, ["model_name"], buckets=LATENCY_BUCKETS,
+                         registry=self.registry).labels(self.model_name)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+    def percentiles(self, name: str) -> dict:
+        values = sorted(self.recent[name])
+        if not values:
+            return {"p50": None, "p99": None, "count": 0}
+        return {"p50": _percentile(values, 0.50), "p99": _percentile(values, 0.99), "count": len(values)}
+
+
+class RequestTracker:
+    """Observes one request's latencies from the timestamps carried by its outputs."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics, self.last_token_time = metrics, None
+
+    def observe(self, output: RequestOutput):
+        m, metrics = output.metrics, self.metrics
+        if m.last_token_time is None:
+            return
+        if self.last_token_time is None:
+            self._record("ttft", metrics.ttft, m.first_token_time - m.arrival_time)
+        elif m.last_token_time > self.last_token_time:
+            self._record("itl", metrics.itl, m.last_token_time - self.last_token_time)
+        self.last_token_time = m.last_token_time
+        if output.finished:
+            metrics.e2e.observe(m.last_token_time - m.arrival_time)
+            reason = output.outputs[0].finish_reason or "unknown"
+            metrics.request_success.labels(metrics.model_name, reason).inc()
+
+    def _record(self, name: str, histogram, seconds: float):
+        histogram.observe(seconds)
+        self.metrics.recent[name].append(seconds)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(int(q * len(sorted_values)), len(sorted_values) - 1)]

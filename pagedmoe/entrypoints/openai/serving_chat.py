@@ -1,0 +1,62 @@
+"""/v1/chat/completions: messages through the chat template, n assistant replies, whole or streamed."""
+import contextlib
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from pagedmoe.entrypoints.openai.logprobs import chat_logprobs
+from pagedmoe.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
+from pagedmoe.entrypoints.openai.streaming import (DONE, DeltaTracker, SSEResponse, error_event, sse, stop_holdback,
+                                                   unless_disconnected)
+from pagedmoe.outputs import CompletionOutput
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request):
+    ctx.check_model(body.model)
+    with value_errors_as_400():
+        params = body.to_chat_sampling_params()
+    prompt = ctx.chat_prompt(body.messages, body.add_generation_prompt)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    streams = await ctx.open_streams(request_id, [prompt], params, body.cache_salt)
+    header = {"id": request_id, "created": created, "model": ctx.model_name}
+    if body.stream:
+        return SSEResponse(_events(ctx, streams, body, {**header, "object": "chat.completion.chunk"}))
+    finals = await unless_disconnected(raw, ctx.final_outputs(streams))
+    choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": _logprobs(out, 0, len(out.token_ids), body),
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+               for out in finals[0].outputs]
+    return {**header, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+
+
+async def _events(ctx: ServingContext, streams, body: ChatCompletionRequest, header: dict) -> AsyncIterator[str]:
+    roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(body.n)]
+    yield sse({**header, "choices": roles})
+    deltas = defaultdict(lambda: DeltaTracker(stop_holdback(body.stop, body.include_stop_str_in_output)))
+    final = None
+    try:
+        async with contextlib.aclosing(ctx.tracked(streams)) as outputs:
+            async for _, final in outputs:
+                for out in final.outputs:
+                    delta = deltas[out.index].advance(out)
+                    if delta is not None:
+                        choice = {"index": out.index, "delta": {"content": delta.text},
+                                  "logprobs": _logprobs(out, delta.token_start, delta.token_end, body),
+                                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                        yield sse({**header, "choices": [choice]})
+        if body.include_usage:
+            yield sse({**header, "choices": [], "usage": usage([final])})
+    except Exception as e:
+        yield error_event(e)
+    yield DONE
+
+
+def _logprobs(out: CompletionOutput, start: int, end: int, body: ChatCompletionRequest) -> dict | None:
+    if not body.logprobs or out.logprobs is None:
+        return None
+    return chat_logprobs(out.logprobs[start:end], out.token_ids[start:end], body.top_logprobs or 0)
