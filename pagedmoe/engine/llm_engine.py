@@ -315,8 +315,8 @@ def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:
         return ranked[:request.beam.beam_width]
     seqs = sorted(request.seqs, key=lambda s: s.sample_index)
     if finished and request.params.num_samples > request.params.n:
-        seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:request.params.n]
-    return seqs
+        seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
+    return seqs[:request.params.n]
 
 
 def _beam_candidates(seq: Sequence, sampled, row: int) -> list[BeamCandidate]:

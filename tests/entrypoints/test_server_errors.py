@@ -22,7 +22,8 @@ def _error(response: httpx.Response, status: int) -> dict:
     ({"top_p": 0}, "top_p"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"best_of": 3}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5] * 600}, "prompt"),
@@ -42,7 +43,7 @@ def test_bad_values_through_the_openai_client(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
     assert info.value.status_code == 400 and info.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=4)
+        client.completions.create(model=MODEL, prompt=PROMPT, n=4, best_of=2)
     assert "best_of" in info.value.body["message"]
 
 

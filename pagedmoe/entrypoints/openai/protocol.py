@@ -36,12 +36,11 @@ class SamplingRequest(BaseModel):
     user: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}): sampling best_of candidates and returning "
-                             f"the n best is not supported, got {self.best_of}")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) when streaming, got {self.best_of}")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        names = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+        names = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
                  "ignore_eos", "min_tokens", "skip_special_tokens")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
