@@ -23,6 +23,9 @@ class EngineConfig:
     swap_space: int = 1 << 28
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
+    kv_offload: bool = False  # evicted cached blocks go to the host pool (swap_space bytes), then to disk
+    kv_offload_disk_bytes: int = 0
+    kv_offload_dir: str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None

@@ -1,4 +1,5 @@
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockPool:
@@ -6,8 +7,8 @@ class BlockPool:
     are taken from the front, a freed block goes to the back. A full block may carry its chained hash; it
     stays findable in `cached` after it is freed, until it is reallocated (evicted) in LRU order."""
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
+        self.num_blocks, self.on_evict = num_blocks, on_evict
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
@@ -33,6 +34,8 @@ class BlockPool:
     def _evict(self, block_id: int):
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
             self.num_evictions += 1

@@ -2,46 +2,83 @@ from dataclasses import dataclass, field
 
 from pagedmoe.engine.block_hash import update_block_hashes
 from pagedmoe.engine.block_pool import BlockPool
+from pagedmoe.engine.disk_tier import DiskTier
 from pagedmoe.engine.sequence import Sequence
+
+TIERS = ("device", "host", "disk")
 
 
 @dataclass
 class BlockTransfers:
-    """Copies the worker runs before the forward, in this order: swap out, swap in, copy-on-write."""
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copy: list[tuple[int, int]] = field(default_factory=list)
+    """Block copies the worker runs before the forward, in field order: every read of a block's old contents
+    (spill host->disk, offload device->host, swap out) comes before any write into a reallocated block."""
+    spill: list[tuple[int, bytes]] = field(default_factory=list)  # host block -> disk file
+    offload: list[tuple[int, int]] = field(default_factory=list)  # device -> host
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
+    copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device (copy-on-write)
+    load_host: list[tuple[int, int]] = field(default_factory=list)  # host -> device (prefix hit)
+    load_disk: list[tuple[bytes, int]] = field(default_factory=list)  # disk file -> device (prefix hit)
+    delete: list[bytes] = field(default_factory=list)  # disk files evicted
+
+
+@dataclass
+class PrefixHit:
+    block_hash: bytes
+    tier: str
+    block_id: int | None  # device or host block; None for disk
 
 
 class KVCacheManager:
     """Maps sequences to paged KV blocks: block tables, prefix caching of full blocks, forks that share
-    blocks, copy-on-write, swap."""
+    blocks, copy-on-write, swap, and tiered offload (evicted cached blocks go to the host pool, whose
+    evicted cached blocks go to disk; a later prefix hit loads them back)."""
 
-    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True):
-        self.block_size, self.enable_caching = block_size, enable_caching
-        self.pool = BlockPool(num_blocks)
-        self.host_pool = BlockPool(num_host_blocks)
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True,
+                 offload: bool = False, num_disk_blocks: int = 0):
+        self.block_size, self.enable_caching, self.offload = block_size, enable_caching, offload
+        self.pool = BlockPool(num_blocks, on_evict=self._offload if offload else None)
+        self.host_pool = BlockPool(num_host_blocks, on_evict=self._spill if num_disk_blocks else None)
+        self.disk = DiskTier(num_disk_blocks) if offload and num_disk_blocks else None
         self.transfers = BlockTransfers()
-        self.num_queried_tokens = self.num_hit_tokens = 0
+        self.pinned_host: list[int] = []
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = dict.fromkeys(TIERS, 0)
+        self.num_offloaded_blocks = self.num_spilled_blocks = 0
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached prefix of seq; the last token is always left to compute."""
+    def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
+        """The longest cached prefix of seq over all tiers; the last token is always left to compute."""
         if not self.enable_caching or seq.request.needs_prompt_logprobs:
             return []
         update_block_hashes(seq, self.block_size)
-        blocks = []
+        hits = []
         for block_hash in seq.block_hashes[:(len(seq) - 1) // self.block_size]:
-            block_id = self.pool.cached.get(block_hash)
-            if block_id is None:
+            hit = self._lookup(block_hash)
+            if hit is None:
                 break
-            blocks.append(block_id)
-        return blocks
+            hits.append(hit)
+        return hits
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int):
+    def _lookup(self, block_hash: bytes) -> PrefixHit | None:
+        if block_hash in self.pool.cached:
+            return PrefixHit(block_hash, "device", self.pool.cached[block_hash])
+        if self.offload and block_hash in self.host_pool.cached:
+            return PrefixHit(block_hash, "host", self.host_pool.cached[block_hash])
+        if self.disk is not None and block_hash in self.disk:
+            return PrefixHit(block_hash, "disk", None)
+        return None
+
+    def record_prefix_lookup(self, num_queried: int, hits: list[PrefixHit]):
         self.num_queried_tokens += num_queried
-        self.num_hit_tokens += num_hit
+        for hit in hits:
+            self.num_hit_tokens[hit.tier] += self.block_size
 
     def take_transfers(self) -> BlockTransfers:
+        for block_id in self.pinned_host:
+            self.host_pool.free(block_id)
+        if self.disk is not None:
+            self.disk.pinned.clear()
+        self.pinned_host = []
         transfers, self.transfers = self.transfers, BlockTransfers()
         return transfers
 
@@ -49,8 +86,8 @@ class KVCacheManager:
         num_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(num_total - len(seq.block_table), 0) + int(self._needs_copy_on_write(seq))
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        if cached_blocks and not self._take_cached(seq, num_new_tokens, cached_blocks):
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = ()) -> bool:
+        if hits and not self._take_cached(seq, num_new_tokens, hits):
             return False
         num_needed = self.num_blocks_needed(seq, num_new_tokens)
         if num_needed > self.pool.num_free_blocks:
@@ -62,17 +99,49 @@ class KVCacheManager:
         self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
-    def _take_cached(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int]) -> bool:
-        num_cached_tokens = len(cached_blocks) * self.block_size
-        num_new_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(cached_blocks)
-        num_revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+    def _take_cached(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit]) -> bool:
+        num_cached_tokens = len(hits) * self.block_size
+        num_fetched = sum(1 for hit in hits if hit.tier != "device")
+        num_new_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(hits) + num_fetched
+        num_revived = sum(1 for hit in hits if hit.tier == "device" and self.pool.ref_counts[hit.block_id] == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False
-        for block_id in cached_blocks:
-            self.pool.incref(block_id)
-        seq.block_table, seq.num_cached_blocks = list(cached_blocks), len(cached_blocks)
-        seq.num_computed_tokens = num_cached_tokens
+        for hit in hits:
+            if hit.tier == "device":
+                self.pool.incref(hit.block_id)
+        seq.block_table = [hit.block_id if hit.tier == "device" else self._fetch(hit) for hit in hits]
+        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), num_cached_tokens
         return True
+
+    def _fetch(self, hit: PrefixHit) -> int:
+        block_id = self.pool.allocate()
+        if hit.tier == "host":
+            self.host_pool.incref(hit.block_id)
+            self.pinned_host.append(hit.block_id)
+            self.transfers.load_host.append((hit.block_id, block_id))
+        else:
+            self.disk.pin(hit.block_hash)
+            self.transfers.load_disk.append((hit.block_hash, block_id))
+        self.pool.cache(block_id, hit.block_hash)
+        return block_id
+
+    def _offload(self, block_id: int, block_hash: bytes):
+        if block_hash in self.host_pool.cached or not self.host_pool.num_free_blocks:
+            return
+        host_id = self.host_pool.allocate()
+        self.transfers.offload.append((block_id, host_id))
+        self.host_pool.cache(host_id, block_hash)
+        self.pinned_host.append(host_id)
+        self.num_offloaded_blocks += 1
+
+    def _spill(self, host_id: int, block_hash: bytes):
+        if self.disk is None or block_hash in self.disk:
+            return
+        stored, evicted = self.disk.add(block_hash)
+        self.transfers.delete.extend(evicted)
+        if stored:
+            self.transfers.spill.append((host_id, block_hash))
+            self.num_spilled_blocks += 1
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int):
         num_full = num_tokens // self.block_size

@@ -34,7 +34,10 @@ class EngineStats:
     num_generation_tokens: int
     num_finished_requests: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found cached (not computed)
+    prefix_cache_hits: int  # of those, tokens found cached (not computed), in any tier
+    prefix_cache_hits_by_tier: dict[str, int]  # device / host / disk
+    num_offloaded_blocks: int  # evicted cached blocks copied to the host tier
+    num_spilled_blocks: int  # host-tier blocks written to the disk tier
     expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
 
     @property
@@ -51,7 +54,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -301,7 +304,9 @@ class LLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_blocks,
                            pool.num_used_blocks, pool.num_free_blocks, sched.num_preemptions["recompute"],
                            sched.num_preemptions["swap"], self.num_prompt_tokens, self.num_generation_tokens,
-                           self.num_finished_requests, self.kv.num_queried_tokens, self.kv.num_hit_tokens,
+                           self.num_finished_requests, self.kv.num_queried_tokens,
+                           sum(self.kv.num_hit_tokens.values()), dict(self.kv.num_hit_tokens),
+                           self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist())
 
 

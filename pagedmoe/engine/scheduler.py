@@ -109,7 +109,7 @@ class Scheduler:
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
             if self.kv.enable_caching:
-                self.kv.record_prefix_lookup(len(seq), len(cached) * self.kv.block_size)
+                self.kv.record_prefix_lookup(len(seq), cached)
             budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
         return budget
 

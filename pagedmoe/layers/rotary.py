@@ -1,3 +1,5 @@
+import math
+
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -31,3 +33,32 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """DeepSeek's RoPE over interleaved pairs (x0, x1), (x2, x3), ...: returns the rotated evens then the rotated
+    odds, exactly as HF's apply_rotary_pos_emb_interleave (dot products equal the complex-pair form of V2)."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions, :half].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions, :half].to(q.dtype).unsqueeze(1)
+        return rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    evens, odds = x[..., 0::2], x[..., 1::2]
+    return torch.cat((evens * cos - odds * sin, odds * cos + evens * sin), dim=-1)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_softmax_scale(rope_parameters: dict, scale: float) -> float:
+    """DeepSeek's yarn correction of the softmax scale: times mscale(factor, mscale_all_dim) twice."""
+    mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+    if rope_parameters.get("rope_type", "default") == "default" or not mscale_all_dim:
+        return scale
+    mscale = yarn_mscale(rope_parameters["factor"], mscale_all_dim)
+    return scale * mscale * mscale

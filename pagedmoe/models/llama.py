@@ -83,15 +83,20 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
-        rotary = RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings)
+        rotary = self.make_rotary(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, self.qk_norm, self.make_mlp(config, i))
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self, config) -> RotaryEmbedding:
+        inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
+        return RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings)
+
+    def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DecoderLayer(config, layer_idx, rotary, self.qk_norm, self.make_mlp(config, layer_idx))
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         return MLP(config.hidden_size, config.intermediate_size)

@@ -11,6 +11,8 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": "pagedmoe.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedmoe.models.qwen_moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "pagedmoe.models.olmoe:OlmoeForCausalLM",
+    "DeepseekV3ForCausalLM": "pagedmoe.models.deepseek:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": "pagedmoe.models.deepseek:DeepseekV2ForCausalLM",
 }
 
 

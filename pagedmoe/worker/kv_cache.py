@@ -1,33 +1,50 @@
 import math
 import os
+import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedmoe.engine.kv_cache_manager import BlockTransfers
 
 
 class KVCacheStorage:
     """Paged KV storage: [num_layers, num_kv_tensors, num_blocks, block_size, *token_shape] on the device,
-    plus a host pool of the same block shape for swapped-out blocks. All block copies go through `apply`."""
+    a host pool of the same block shape (swap preemption and the offload tier share it) and an optional
+    disk tier (one safetensors file per block hash). Every block copy goes through `_copy_blocks`."""
 
     def __init__(self, num_layers: int, num_kv_tensors: int, token_shape: tuple[int, ...], num_blocks: int,
-                 num_host_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+                 num_host_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 disk_dir: str | None = None):
         shape = (num_layers, num_kv_tensors, num_blocks, block_size, *token_shape)
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (num_layers, num_kv_tensors, num_host_blocks, block_size, *token_shape)
         pin = torch.device(device).type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.disk_dir = tempfile.mkdtemp(prefix="kv-", dir=disk_dir) if disk_dir is not None else None
 
     def apply(self, transfers: BlockTransfers):
-        if transfers.swap_out:
-            src, dst = zip(*transfers.swap_out)
-            self.host_cache[:, :, list(dst)] = self.device_cache[:, :, list(src)].cpu()
-        if transfers.swap_in:
-            src, dst = zip(*transfers.swap_in)
-            self.device_cache[:, :, list(dst)] = self.host_cache[:, :, list(src)].to(self.device_cache.device)
-        if transfers.copy:
-            src, dst = zip(*transfers.copy)
-            self.device_cache[:, :, list(dst)] = self.device_cache[:, :, list(src)]
+        device, host = self.device_cache, self.host_cache
+        for host_id, block_hash in transfers.spill:
+            save_file({"kv": host[:, :, host_id].contiguous()}, self._path(block_hash))
+        _copy_blocks(device, host, transfers.offload)
+        _copy_blocks(device, host, transfers.swap_out)
+        _copy_blocks(host, device, transfers.swap_in)
+        _copy_blocks(device, device, transfers.copy)
+        _copy_blocks(host, device, transfers.load_host)
+        for block_hash, block_id in transfers.load_disk:
+            device[:, :, block_id] = load_file(self._path(block_hash))["kv"].to(device.device)
+        for block_hash in transfers.delete:
+            os.remove(self._path(block_hash))
+
+    def _path(self, block_hash: bytes) -> str:
+        return os.path.join(self.disk_dir, block_hash.hex() + ".safetensors")
+
+
+def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]):
+    if pairs:
+        src_ids, dst_ids = zip(*pairs)
+        dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
 
 
 def block_bytes(num_layers: int, num_kv_tensors: int, token_shape: tuple[int, ...], block_size: int,

@@ -1,3 +1,4 @@
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +29,11 @@ class ModelRunner:
         self.model = load_model(config)
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.num_blocks, self.num_host_blocks = self._num_blocks()
+        self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
+        disk_dir = (config.kv_offload_dir or tempfile.gettempdir()) if self.num_disk_blocks else None
         self.kv_cache = KVCacheStorage(config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
                                        self.num_blocks, self.num_host_blocks, config.block_size,
-                                       config.torch_dtype, self.device)
+                                       config.torch_dtype, self.device, disk_dir)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None

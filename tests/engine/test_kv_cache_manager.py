@@ -44,7 +44,8 @@ def _append(kv, seq, num_new):
 @settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_block_accounting_invariants(ops):
-    kv, seqs = KVCacheManager(num_blocks=12, num_host_blocks=6, block_size=BLOCK_SIZE), []
+    kv = KVCacheManager(num_blocks=12, num_host_blocks=6, block_size=BLOCK_SIZE, offload=True, num_disk_blocks=4)
+    seqs = []
     for op, pick, num in ops:
         seq = seqs[pick % len(seqs)] if seqs else None
         if op == "new" or seq is None:
@@ -69,7 +70,9 @@ def test_block_accounting_invariants(ops):
             if kv.allocate_slots(twin, num_new, cached):
                 twin.num_computed_tokens = len(twin.token_ids)
             seqs.append(twin)
+        kv.take_transfers()
         check_invariants(kv, seqs)
+        assert len(kv.disk.hashes) <= 4
     for seq in seqs:
         kv.free(seq)
     assert kv.pool.num_free_blocks == 12 and kv.host_pool.num_free_blocks == 6
