@@ -23,6 +23,8 @@ class EngineConfig:
     swap_space: int = 1 << 28
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
+    kv_allocation: str = "paged"  # or "static": reserve prompt + max_tokens contiguously at admission
+    static_reserve_tokens: int | None = None  # static mode: output slots reserved (default: max_tokens)
     kv_offload: bool = False  # evicted cached blocks go to the host pool (swap_space bytes), then to disk
     kv_offload_disk_bytes: int = 0
     kv_offload_dir: str | None = None
@@ -45,6 +47,10 @@ class EngineConfig:
     def _check_choices(self):
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_allocation not in ("paged", "static"):
+            raise ValueError(f"kv_allocation must be 'paged' or 'static', got {self.kv_allocation!r}")
+        if self.kv_allocation == "static":
+            self.enable_prefix_caching = False
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -31,6 +31,20 @@ class BlockPool:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def allocate_run(self, num_blocks: int) -> list[int] | None:
+        """num_blocks free blocks with consecutive ids (static allocation), or None if no such run exists."""
+        run = 0
+        for block_id, ref_count in enumerate(self.ref_counts):
+            run = run + 1 if ref_count == 0 else 0
+            if run == num_blocks:
+                blocks = list(range(block_id - num_blocks + 1, block_id + 1))
+                for b in blocks:
+                    del self.free_blocks[b]
+                    self._evict(b)
+                    self.ref_counts[b] = 1
+                return blocks
+        return None
+
     def _evict(self, block_id: int):
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:

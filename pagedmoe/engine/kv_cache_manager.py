@@ -35,8 +35,9 @@ class KVCacheManager:
     evicted cached blocks go to disk; a later prefix hit loads them back)."""
 
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True,
-                 offload: bool = False, num_disk_blocks: int = 0):
+                 offload: bool = False, num_disk_blocks: int = 0, static_reserve=None):
         self.block_size, self.enable_caching, self.offload = block_size, enable_caching, offload
+        self.static_reserve = static_reserve  # seq -> tokens to reserve at admission (static allocation mode)
         self.pool = BlockPool(num_blocks, on_evict=self._offload if offload else None)
         self.host_pool = BlockPool(num_host_blocks, on_evict=self._spill if num_disk_blocks else None)
         self.disk = DiskTier(num_disk_blocks) if offload and num_disk_blocks else None
@@ -89,6 +90,8 @@ class KVCacheManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = ()) -> bool:
         if hits and not self._take_cached(seq, num_new_tokens, hits):
             return False
+        if self.static_reserve is not None and not seq.block_table and not self._reserve(seq):
+            return False
         num_needed = self.num_blocks_needed(seq, num_new_tokens)
         if num_needed > self.pool.num_free_blocks:
             return False
@@ -97,6 +100,13 @@ class KVCacheManager:
             num_needed -= 1
         seq.block_table.extend(self.pool.allocate() for _ in range(num_needed))
         self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        return True
+
+    def _reserve(self, seq: Sequence) -> bool:
+        blocks = self.pool.allocate_run(-(-self.static_reserve(seq) // self.block_size))
+        if blocks is None:
+            return False
+        seq.block_table = blocks
         return True
 
     def _take_cached(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit]) -> bool:

@@ -53,8 +53,10 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config)
+        static = self._static_reserve if config.kv_allocation == "static" else None
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks)
+                                 config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks,
+                                 static)
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -125,11 +127,21 @@ class LLMEngine:
                              "it leaves no room for output")
         if params.max_tokens is None or len(token_ids) + params.max_tokens > max_len:
             params = _replace(params, max_tokens=max_len - len(token_ids))
-        num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        num_tokens = len(token_ids) + max(params.max_tokens, self._num_reserved_outputs(params))
+        num_blocks = -(-min(num_tokens, max_len) // self.config.block_size)
         if num_blocks > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {len(token_ids) + params.max_tokens} tokens need "
+            raise ValueError(f"prompt + max_tokens = {num_tokens} tokens need "
                              f"{num_blocks} KV blocks; the pool has {self.kv.pool.num_blocks}")
         return params
+
+    def _num_reserved_outputs(self, params: SamplingParams) -> int:
+        if self.config.kv_allocation != "static":
+            return 0
+        return self.config.static_reserve_tokens or params.max_tokens
+
+    def _static_reserve(self, seq: Sequence) -> int:
+        reserved = seq.num_prompt_tokens + self._num_reserved_outputs(seq.params)
+        return max(min(reserved, self.config.max_model_len), len(seq))
 
     def abort_request(self, request_id: str):
         request = self.requests.pop(request_id, None)

@@ -98,3 +98,20 @@ def test_pool_lru_order():
     pool.free(b)
     pool.free(a)
     assert pool.allocate() == b and pool.allocate() == a
+
+
+def test_static_mode_reserves_contiguous_run_at_admission():
+    kv = KVCacheManager(num_blocks=10, num_host_blocks=1, block_size=4, enable_caching=False,
+                        static_reserve=lambda seq: len(seq.token_ids) + 9)
+    a, b = _seq(1, 3), _seq(2, 3)
+    assert kv.allocate_slots(a, 3) and a.block_table == [0, 1, 2]
+    a.num_computed_tokens = 3
+    for _ in range(9):
+        a.token_ids.append(1)
+        assert kv.allocate_slots(a, 1) and a.block_table == [0, 1, 2]
+        a.num_computed_tokens += 1
+    assert kv.allocate_slots(b, 3) and b.block_table == [3, 4, 5]
+    kv.free(a)
+    c, d = _seq(3, 15), _seq(4, 7)
+    assert kv.pool.num_free_blocks == 7 and not kv.allocate_slots(c, 15)  # external fragmentation
+    assert kv.allocate_slots(d, 7) and d.block_table == [6, 7, 8, 9]
