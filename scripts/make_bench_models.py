@@ -3,7 +3,9 @@
     python scripts/make_bench_models.py OUT_DIR
 
 writes OUT_DIR/qwen3-100m: a ~100M-parameter dense Qwen3-shaped model (hidden 768, 12 layers, 12 heads /
-4 KV heads, head_dim 64, intermediate 2048, vocab 32000, tied embeddings).
+4 KV heads, head_dim 64, intermediate 2048, vocab 32000, tied embeddings), and OUT_DIR/qwen3-moe-100m-active:
+the same shape with each MLP replaced by 8 experts of intermediate 1024, top-2 (active expert parameters per
+token equal to the dense MLP's; ~280M total parameters, ~100M active).
 """
 import os
 import sys
@@ -18,6 +20,14 @@ def qwen3_100m_config() -> transformers.Qwen3Config:
                                     max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=None)
 
 
+def qwen3_moe_config() -> transformers.Qwen3MoeConfig:
+    return transformers.Qwen3MoeConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                       moe_intermediate_size=1024, num_experts=8, num_experts_per_tok=2,
+                                       norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=12,
+                                       num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+                                       tie_word_embeddings=True, eos_token_id=None)
+
+
 def save(config, path: str, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -29,3 +39,4 @@ def save(config, path: str, seed: int = 0):
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/bench-models"
     save(qwen3_100m_config(), os.path.join(out, "qwen3-100m"))
+    save(qwen3_moe_config(), os.path.join(out, "qwen3-moe-100m-active"))

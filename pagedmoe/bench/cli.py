@@ -1,73 +1,182 @@
+"""`pagedmoe bench {throughput,latency,serve,moe}`: one workload definition (bench/workload.py) shared by all."""
 import argparse
-import json
-import platform
+import asyncio
+import importlib
+import sys
 
-import torch
-import transformers
-
+from pagedmoe.bench.workload import add_workload_args
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
-def _throughput(args):
-    from pagedmoe.bench.baselines import BASELINES
-    from pagedmoe.bench.throughput import pagedmoe_throughput
-    from pagedmoe.bench.workload import parse_range, random_workload, sharegpt_workload
+def _load_llm(args, needs_tokenizer: bool):
+    from pagedmoe.bench.roofline import model_flops
     from pagedmoe.llm import LLM
-    llm = LLM(args.model, **engine_kwargs(args) | {"skip_tokenizer_init": not args.dataset})
-    vocab = llm.engine.config.hf_config.vocab_size
-    workload = (sharegpt_workload(args.dataset, llm.get_tokenizer(), args.num_prompts) if args.dataset else
-                random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
-                                vocab, args.workload_seed))
-    results = {"command": "pagedmoe bench throughput", "args": vars(args) | {"func": None}, "env": _env(),
-               "pagedmoe": pagedmoe_throughput(llm, workload)}
+    llm = LLM(args.model, **engine_kwargs(args) | {"skip_tokenizer_init": not needs_tokenizer})
+    return llm, model_flops(llm.engine.runner.model, llm.engine.config.hf_config)
+
+
+def _throughput(args):
+    from pagedmoe.bench.baselines import run_baseline
+    from pagedmoe.bench.report import roofline_lines, throughput_table, write_json
+    from pagedmoe.bench.roofline import matmul_peak
+    from pagedmoe.bench.throughput import pagedmoe_throughput
+    from pagedmoe.bench.workload import build_workload
+    if "llama.cpp" in args.baseline:
+        from pagedmoe.bench.llamacpp import require_llama_cpp
+        require_llama_cpp()  # fail before the long runs, not after
+    llm, counts = _load_llm(args, bool(args.dataset))
+    config = llm.engine.config
+    workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
+    peak = matmul_peak(config.torch_dtype, config.device, args.peak_matmul_size, args.peak_repeats)
+    results = _header("throughput", args, workload, counts) | {"pagedmoe": pagedmoe_throughput(llm, workload, counts)}
     for name in args.baseline:
-        results[name] = BASELINES[name](args.model, llm.engine.config.torch_dtype, workload)
-        results[f"ratio_vs_{name}"] = results["pagedmoe"]["output_tok_s"] / results[name]["output_tok_s"]
-    _report(results, args.output_json)
+        results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
+    _add_rooflines(results, ["pagedmoe", *args.baseline], counts.workload_flops(workload), peak)
+    print(throughput_table(results, ["pagedmoe", *args.baseline]))
+    print(roofline_lines(results["roofline"]))
+    write_json(results, args.output_json)
+    return results
 
 
-def _env() -> dict:
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+def _header(command: str, args, workload, counts) -> dict:
+    from pagedmoe.bench.report import args_json, env
+    from pagedmoe.bench.roofline import flops_summary
+    from pagedmoe.bench.workload import workload_summary
+    return {"command": f"pagedmoe bench {command}", "args": args_json(args), "env": env(),
+            "workload": workload_summary(workload), "model_flops": flops_summary(counts)}
 
 
-def _report(results: dict, output_json: str | None):
-    for key, value in results.items():
-        if isinstance(value, dict) and "output_tok_s" in value:
-            print(f"{value['engine']:>14}: {value['output_tok_s']:8.1f} output tok/s  {value['total_tok_s']:8.1f} "
-                  f"total tok/s  {value['requests_s']:6.2f} req/s  ({value['elapsed_s']:.1f} s)")
-        elif key.startswith("ratio"):
-            print(f"{key}: {value:.2f}x")
-    if output_json:
-        with open(output_json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+def _add_rooflines(results: dict, engines: list[str], flops: int, peak: dict):
+    """Per engine: achieved model FLOP/s and roofline %; ratios of pagedmoe output tok/s to each baseline."""
+    from pagedmoe.bench.roofline import roofline
+    from pagedmoe.bench.throughput import decode_roofline
+    for name in engines:
+        row = results[name]
+        row |= {k: v for k, v in roofline(flops, row["elapsed_s"], row["output_tokens"], peak["peak_flop_s"]).items()
+                if k in ("achieved_flop_s", "roofline_pct")}
+        if name != "pagedmoe":
+            results[f"ratio_vs_{name}"] = results["pagedmoe"]["output_tok_s"] / row["output_tok_s"]
+    ours = results["pagedmoe"]
+    results["roofline"] = {"peak": peak, "run": roofline(flops, ours["elapsed_s"], ours["output_tokens"],
+                                                         peak["peak_flop_s"]),
+                           "decode": decode_roofline(ours["steps"], peak["peak_flop_s"])}
 
 
-def _moe(args):
-    from pagedmoe.bench.moe import main as moe_main
-    moe_main(args.rest)
+def _latency(args):
+    from pagedmoe.bench.latency import bench_latency
+    from pagedmoe.bench.report import latency_lines, write_json
+    from pagedmoe.bench.workload import build_workload
+    llm, counts = _load_llm(args, bool(args.dataset))
+    num_batches = args.num_iters_warmup + args.num_iters
+    workload = build_workload(args, llm.engine.config.hf_config.vocab_size, llm.get_tokenizer(),
+                              num_prompts=args.batch_size * num_batches)
+    batches = [workload[i * args.batch_size:(i + 1) * args.batch_size] for i in range(num_batches)]
+    results = _header("latency", args, batches[-1], counts) | {"batch_size": args.batch_size}
+    results["pagedmoe"] = bench_latency(llm, batches, args.num_iters_warmup, counts)
+    print(latency_lines(results["pagedmoe"]))
+    write_json(results, args.output_json)
+    return results
+
+
+def _serve(args):
+    from pagedmoe.bench.plot import plot_serve
+    from pagedmoe.bench.report import args_json, env, serve_table, write_json
+    from pagedmoe.bench.serve import served_model, sweep, warm_up
+    from pagedmoe.bench.server import server_for
+    from pagedmoe.bench.workload import workload_summary
+    workloads = _serve_workloads(args)
+    with server_for(args, engine_kwargs(args)) as url:
+        model = args.served_model_name or served_model(url)
+        asyncio.run(warm_up(url, model, workloads[0][0], args.request_timeout))
+        sweep_results = asyncio.run(sweep(url, model, workloads, args.request_rate, args.workload_seed,
+                                          args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
+    results = {"command": "pagedmoe bench serve", "args": args_json(args), "env": env(), "url": url,
+               "workload": [workload_summary(w) for w in workloads]} | sweep_results
+    print(serve_table(results["rates"]))
+    if args.plot:
+        plot_serve(results["rates"], args.plot)
+    write_json(results, args.output_json)
+    return results
+
+
+def _serve_workloads(args) -> list:
+    """num_prompts distinct prompts per rate, from one workload definition (tokenizer and vocab from --model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedmoe.bench.workload import build_workload
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model) if args.dataset else None
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    n = args.num_prompts
+    workload = build_workload(args, vocab, tokenizer, num_prompts=n * len(args.request_rate))
+    return [workload[i * n:(i + 1) * n] for i in range(len(args.request_rate))]
+
+
+# subcommands with their own parser: argv after the name goes to their main() untouched (argparse's
+# REMAINDER would reject their --options)
+PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory"}
+
+
+def _add_throughput(sub):
+    from pagedmoe.bench.baselines import BASELINE_NAMES, HF_STATIC_BATCH_SIZE
+    tp = sub.add_parser("throughput", help="offline throughput on a seeded workload, with baselines and roofline")
+    tp.add_argument("--model", default=DEFAULT_MODEL)
+    add_workload_args(tp)
+    tp.add_argument("--baseline", action="append", default=[], choices=BASELINE_NAMES,
+                    help="repeatable: hf-sequential, hf-static, hf-cb, llama.cpp")
+    tp.add_argument("--hf-batch-size", type=int, default=HF_STATIC_BATCH_SIZE, help="hf-static batch size")
+    tp.add_argument("--gguf", default=None, help="llama.cpp: an existing GGUF of the model (else converted)")
+    tp.add_argument("--peak-matmul-size", type=int, default=1024, help="N of the N^3 matmul that measures the peak")
+    tp.add_argument("--peak-repeats", type=int, default=5)
+    tp.add_argument("--output-json", default=None)
+    add_engine_args(tp)
+    tp.set_defaults(func=_throughput)
+
+
+def _add_latency(sub):
+    lat = sub.add_parser("latency", help="one batch: per-step time, prefill/decode split, engine overhead")
+    lat.add_argument("--model", default=DEFAULT_MODEL)
+    add_workload_args(lat, num_prompts=8, input_len="128", output_len="32")
+    lat.add_argument("--batch-size", type=int, default=8, help="requests per batch (--num-prompts is unused)")
+    lat.add_argument("--num-iters", type=int, default=3, help="measured batches, each with new prompts")
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--output-json", default=None)
+    add_engine_args(lat)
+    lat.set_defaults(func=_latency)
+
+
+def _add_serve(sub):
+    sv = sub.add_parser("serve", help="Poisson arrivals against an OpenAI server: TTFT, ITL, E2E, goodput")
+    sv.add_argument("--model", default=DEFAULT_MODEL, help="model dir: the server's model, vocab and tokenizer")
+    add_workload_args(sv, num_prompts=32)
+    sv.add_argument("--url", default=None, help="a running server (else one is started, see --server)")
+    sv.add_argument("--server", choices=["subprocess", "inprocess"], default="subprocess")
+    sv.add_argument("--served-model-name", default=None, help="`model` sent in requests (default: /v1/models)")
+    sv.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0],
+                    help="requests/s, Poisson; inf sends all at once")
+    sv.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
+    sv.add_argument("--slo-itl", type=float, default=None, help="goodput SLO on mean inter-token latency, seconds")
+    sv.add_argument("--timeout", type=float, default=1800, help="global deadline for the sweep, seconds")
+    sv.add_argument("--request-timeout", type=float, default=600)
+    sv.add_argument("--plot", default=None, help="PNG of latency and throughput against the request rate")
+    sv.add_argument("--output-json", default=None)
+    add_engine_args(sv)
+    sv.set_defaults(func=_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmoe bench")
     sub = parser.add_subparsers(dest="bench", required=True)
-    tp = sub.add_parser("throughput", help="offline throughput on a seeded workload")
-    tp.add_argument("--model", default=DEFAULT_MODEL)
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len", default="32-256", help="uniform range LOW-HIGH")
-    tp.add_argument("--output-len", default="16-256", help="uniform range LOW-HIGH")
-    tp.add_argument("--workload-seed", type=int, default=0)
-    tp.add_argument("--dataset", default=None, help="ShareGPT-format JSON instead of random prompts")
-    tp.add_argument("--baseline", action="append", default=[], choices=["hf-sequential"])
-    tp.add_argument("--output-json", default=None)
-    add_engine_args(tp)
-    tp.set_defaults(func=_throughput)
-    moe = sub.add_parser("moe", help="MoE layer: 8 vs 64 experts at equal active parameters", add_help=False)
-    moe.add_argument("rest", nargs=argparse.REMAINDER)
-    moe.set_defaults(func=_moe)
+    _add_throughput(sub)
+    _add_latency(sub)
+    _add_serve(sub)
+    sub.add_parser("moe", help="MoE layer: 8 vs 64 experts at equal active parameters (own options)")
+    sub.add_parser("memory", help="KV-cache utilization: paged vs static allocation (own options)")
     return parser
 
 
 def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
-    args.func(args)
+    return args.func(args)

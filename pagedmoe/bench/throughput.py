@@ -1,17 +1,38 @@
 import time
 
-from pagedmoe.bench.baselines import _figures
+from pagedmoe.bench.baselines import figures
+from pagedmoe.bench.roofline import ModelFlops, roofline
+from pagedmoe.bench.steps import StepRecorder, overhead_pct, time_stats
 from pagedmoe.bench.workload import BenchRequest
 from pagedmoe.llm import LLM
 from pagedmoe.sampling_params import SamplingParams
 
 
-def pagedmoe_throughput(llm: LLM, workload: list[BenchRequest]) -> dict:
-    """Offline throughput: every request submitted at once, greedy, ignore_eos, exactly output_len tokens."""
+def pagedmoe_throughput(llm: LLM, workload: list[BenchRequest], counts: ModelFlops | None = None) -> dict:
+    """Offline throughput: every request submitted at once, greedy, ignore_eos, exactly output_len tokens.
+    Steps are recorded (engine.step / runner.execute wrapped for the run) to split out the decode steps."""
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [r.output_len for r in workload]
-    return _figures("pagedmoe", workload, elapsed)
+    with StepRecorder(llm.engine, counts) as recorder:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    generated = [len(o.outputs[0].token_ids) for o in outputs]
+    result = figures("pagedmoe", workload, elapsed, generated)
+    return result | {"steps": step_summary(recorder.records)}
+
+
+def step_summary(records) -> dict:
+    decode = [r for r in records if r.is_decode]
+    return {"num_steps": len(records), "num_decode_steps": len(decode),
+            "overhead_pct": overhead_pct(records), **time_stats([r.step_s for r in records], "step_"),
+            **time_stats([r.step_s for r in decode], "decode_step_"),
+            "decode_tokens": sum(r.num_decode_tokens for r in decode),
+            "decode_flops": sum(r.flops for r in decode), "step_flops": sum(r.flops for r in records)}
+
+
+def decode_roofline(steps: dict, peak_flop_s: float) -> dict | None:
+    """Roofline of the decode-only steps (whole engine.step time), if any ran."""
+    if not steps["num_decode_steps"]:
+        return None
+    return roofline(steps["decode_flops"], steps["decode_step_total_s"], steps["decode_tokens"], peak_flop_s)

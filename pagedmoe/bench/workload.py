@@ -38,3 +38,29 @@ def sharegpt_workload(path: str, tokenizer, num_requests: int, max_output_len: i
         if len(requests) == num_requests:
             break
     return requests
+
+
+def add_workload_args(parser, num_prompts: int = 64, input_len: str = "32-256", output_len: str = "16-256"):
+    """The workload options every `pagedmoe bench` subcommand shares."""
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", default=input_len, help="prompt tokens: N or uniform range LOW-HIGH")
+    parser.add_argument("--output-len", default=output_len, help="output tokens: N or uniform range LOW-HIGH")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON instead of random prompts")
+
+
+def build_workload(args, vocab_size: int, tokenizer=None, num_prompts: int | None = None) -> list[BenchRequest]:
+    """The workload the shared options describe: ShareGPT rows (needs the tokenizer) or seeded random ids."""
+    num_prompts = args.num_prompts if num_prompts is None else num_prompts
+    if args.dataset:
+        if tokenizer is None:
+            raise ValueError("--dataset needs the model's tokenizer")
+        return sharegpt_workload(args.dataset, tokenizer, num_prompts)
+    return random_workload(num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab_size,
+                           args.workload_seed)
+
+
+def workload_summary(workload: list[BenchRequest]) -> dict:
+    inputs, outputs = [len(r.prompt_token_ids) for r in workload], [r.output_len for r in workload]
+    return {"num_requests": len(workload), "input_tokens": sum(inputs), "output_tokens": sum(outputs),
+            "input_len_min_max": [min(inputs), max(inputs)], "output_len_min_max": [min(outputs), max(outputs)]}

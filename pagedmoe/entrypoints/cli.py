@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
             continue
         flag = "--" + field.name.replace("_", "-")
         if field.type is bool or field.type == "bool":
-            parser.add_argument(flag, action="store_true", default=field.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=_arg_type(field), default=field.default)
 
@@ -52,7 +52,7 @@ def cmd_run(args):
 
 def cmd_bench(args):
     from pagedmoe.bench.cli import main as bench_main
-    bench_main(args.bench_args)
+    bench_main(["-h"] if args.bench_help else args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.add_argument("-h", "--help", dest="bench_help", action="store_true")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,120 @@
+"""Model FLOPs of a workload, the measured matmul peak, and the run's place under that roofline.
+
+FLOP count (multiply-add = 2 FLOPs), per token that goes through the model at position p (0-based):
+
+    2 * M                            matmuls: M = non-embedding matmul weights a token meets
+    + 2 * L * H * (d_qk + d_v) * (p + 1)   attention scores (q.k) and values (p.v) over the causal context
+    + 2 * V * D                      the LM head, only at positions that sample a token
+
+M counts every weight of 2 or more dimensions except the token embedding and the LM head. For MoE layers
+it counts the ACTIVE experts only: top_k x (one expert's w13 + w2), plus (as ordinary weights) the router,
+the shared experts and their gate. Norms, biases, rotary and activations are not counted. L is the number
+of layers, H the query heads, d_qk / d_v the per-head score and value widths (head_dim, or for MLA, which
+attends in latent space: kv_lora_rank + qk_rope_head_dim and kv_lora_rank).
+
+A request with P prompt tokens and O output tokens feeds N = P + O - 1 tokens (the last sampled token is
+never fed), at positions 0..N-1, and samples O times:
+
+    FLOPs = 2 * M * N + 2 * L * H * (d_qk + d_v) * N * (N + 1) / 2 + 2 * V * D * O
+
+Prefix-cache hits and recompute preemption change what the engine actually runs, not these model FLOPs.
+"""
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from pagedmoe.bench.workload import BenchRequest
+from pagedmoe.layers.moe.layer import FusedMoE
+
+
+@dataclass
+class ModelFlops:
+    dense_params: int  # non-embedding matmul weights outside routed experts (attention, dense MLP, router, shared)
+    active_expert_params: int  # top_k x one expert's weights, summed over MoE layers
+    total_expert_params: int  # every routed expert's weights (not counted in FLOPs)
+    lm_head_params: int
+    num_layers: int
+    num_heads: int
+    qk_dim: int
+    v_dim: int
+
+    @property
+    def matmul_params(self) -> int:
+        return self.dense_params + self.active_expert_params
+
+    def token_flops(self, position: int, samples: bool) -> int:
+        """FLOPs of one token at `position` (0-based), plus the LM head if it samples."""
+        attention = 2 * self.num_layers * self.num_heads * (self.qk_dim + self.v_dim) * (position + 1)
+        return 2 * self.matmul_params + attention + (2 * self.lm_head_params if samples else 0)
+
+    def chunk_flops(self, start: int, num_tokens: int, samples: bool) -> int:
+        """FLOPs of tokens at positions start..start+num_tokens-1 (closed form of summing token_flops)."""
+        context_sum = (start + num_tokens) * (start + num_tokens + 1) // 2 - start * (start + 1) // 2
+        attention = 2 * self.num_layers * self.num_heads * (self.qk_dim + self.v_dim) * context_sum
+        return 2 * self.matmul_params * num_tokens + attention + (2 * self.lm_head_params if samples else 0)
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        fed = prompt_len + output_len - 1
+        return self.chunk_flops(0, fed, False) + 2 * self.lm_head_params * output_len
+
+    def workload_flops(self, workload: list[BenchRequest]) -> int:
+        return sum(self.request_flops(len(r.prompt_token_ids), r.output_len) for r in workload)
+
+
+def model_flops(model: nn.Module, hf_config) -> ModelFlops:
+    """Counts the weights of a pagedmoe model (a meta-device model is enough) by the rules above."""
+    excluded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    excluded.add(id(model.lm_head.weight))
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    excluded |= {id(m.w13) for m in experts} | {id(m.w2) for m in experts}
+    dense = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in excluded)
+    active = sum(m.router.top_k * (m.w13[0].numel() + m.w2[0].numel()) for m in experts)
+    total = sum(m.w13.numel() + m.w2.numel() for m in experts)
+    qk_dim, v_dim = attention_dims(hf_config)
+    return ModelFlops(dense, active, total, model.lm_head.weight.numel(), hf_config.num_hidden_layers,
+                      hf_config.num_attention_heads, qk_dim, v_dim)
+
+
+def attention_dims(hf_config) -> tuple[int, int]:
+    """Per-head widths of the score and value products as the engine runs them."""
+    if getattr(hf_config, "kv_lora_rank", None):
+        return hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, hf_config.kv_lora_rank
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return head_dim, head_dim
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 1024, repeats: int = 5) -> dict:
+    """Best-of-`repeats` FLOP/s of one size^3 matmul in `dtype` on `device`, at the current torch threads."""
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g).to(device, dtype) for _ in range(2))
+    torch.mm(a, b)  # warm-up: first-call allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "threads": torch.get_num_threads(), "repeats": repeats, "best_s": best,
+            "peak_flop_s": 2 * size ** 3 / best}
+
+
+def roofline(flops: float, elapsed_s: float, output_tokens: int, peak_flop_s: float) -> dict:
+    """The run against the peak: achieved FLOP/s, % of peak, time and output tok/s if it ran at the peak."""
+    roofline_time = flops / peak_flop_s
+    return {"flops": flops, "elapsed_s": elapsed_s, "achieved_flop_s": flops / elapsed_s,
+            "roofline_pct": 100 * flops / elapsed_s / peak_flop_s, "roofline_time_s": roofline_time,
+            "roofline_output_tok_s": output_tokens / roofline_time, "output_tok_s": output_tokens / elapsed_s}
+
+
+def flops_summary(counts: ModelFlops) -> dict:
+    return asdict(counts) | {"matmul_params": counts.matmul_params}

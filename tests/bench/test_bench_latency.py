@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from pagedmoe import LLM
+from pagedmoe.bench.latency import split_prefill
+from pagedmoe.bench.roofline import model_flops
+from pagedmoe.bench.steps import StepRecord, StepRecorder
+from pagedmoe.bench.workload import random_workload
+from pagedmoe.entrypoints.cli import main as cli_main
+from pagedmoe.sampling_params import SamplingParams
+
+BATCH, INPUT_LEN, OUTPUT_LEN = 3, 20, 5
+
+
+def test_bench_latency_splits_prefill_and_decode(dense_model, tmp_path):
+    out = tmp_path / "latency.json"
+    cli_main(["bench", "latency", "--model", dense_model[0], "--batch-size", str(BATCH), "--input-len",
+              str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--num-iters", "2", "--num-iters-warmup", "1",
+              "--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
+              "--output-json", str(out)])
+    results = json.loads(out.read_text())
+    lat = results["pagedmoe"]
+    assert results["batch_size"] == BATCH and len(lat["iterations"]) == 2 and len(lat["steps"]) == 2
+    for iteration, steps in zip(lat["iterations"], lat["steps"]):
+        # 3 x 20 prompt tokens at 32 per step: step 1 prefills A and 12 of B, step 2 decodes A and prefills the
+        # rest (8 of B, 20 of C); 4 more tokens each: A finishes a step before B and C
+        assert [s["num_prefill_tokens"] for s in steps] == [32, 28, 0, 0, 0, 0]
+        assert [s["num_decode_tokens"] for s in steps] == [0, 1, 3, 3, 3, 2]
+        assert [s["num_sampled"] for s in steps] == [1, 3, 3, 3, 3, 2]
+        assert (iteration["num_prefill_steps"], iteration["num_decode_steps"]) == (2, 4)
+        assert iteration["prefill_s"] == pytest.approx(sum(s["step_s"] for s in steps[:2]))
+        assert all(0 < s["execute_s"] <= s["step_s"] for s in steps)
+        assert 0 <= iteration["overhead_pct"] <= 100
+    assert 0 <= lat["overhead_pct"] <= 100 and 0 <= lat["decode_overhead_pct"] <= 100
+    assert lat["decode_step_count"] == 8 and lat["decode_step_p50_ms"] > 0 and lat["prefill_mean_ms"] > 0
+
+
+def test_step_flops_sum_to_the_workload_flops(dense_model):
+    llm = LLM(dense_model[0], dtype="float32", num_kv_blocks=64, skip_tokenizer_init=True,
+              max_num_batched_tokens=16)
+    counts = model_flops(llm.engine.runner.model, llm.engine.config.hf_config)
+    workload = random_workload(4, (5, 30), (1, 6), 320, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    with StepRecorder(llm.engine, counts) as recorder:
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in workload], params, use_tqdm=False)
+    assert sum(r.flops for r in recorder.records) == counts.workload_flops(workload)
+    assert sum(r.num_sampled for r in recorder.records) == sum(r.output_len for r in workload)
+    assert type(llm.engine.runner).__name__ == "ModelRunner" and "step" not in vars(llm.engine)  # restored
+
+
+def record(prefill: int, decode: int) -> StepRecord:
+    return StepRecord(1.0, 0.5, 1, prefill + decode, prefill, decode, 1, 0)
+
+
+def test_split_prefill_takes_steps_up_to_the_last_prefill():
+    steps = [record(8, 0), record(0, 2), record(4, 2), record(0, 3), record(0, 3)]
+    prefill, decode = split_prefill(steps)
+    assert prefill == steps[:3] and decode == steps[3:]
+    assert split_prefill([record(0, 1)]) == ([], [record(0, 1)])
