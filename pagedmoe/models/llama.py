@@ -102,7 +102,7 @@ class DecoderForCausalLM(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size)
 
     def kv_cache_token_shape(self) -> tuple[int, tuple[int, ...]]:
-        return 2, (self.config.num_key_value_heads, head_dim_of(self.config))
+        return 2 * self.config.num_key_value_heads, (head_dim_of(self.config),)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
