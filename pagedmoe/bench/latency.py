@@ -1,8 +1,9 @@
 """Latency of one batch: `batch_size` requests submitted together and run to completion, per step timed.
 
 Prefill = the steps that fed prompt tokens (the first step(s); with chunked prefill a long batch takes several),
-decode = the steps after, one token per running request. Engine overhead = step time outside
-runner.execute (scheduling, KV block bookkeeping, postprocessing, detokenizing), as % of the step."""
+decode = the steps after, one token per running request. Engine overhead = step time outside the model's
+forward and LM head (scheduling, KV block bookkeeping, input preparation, sampling, postprocessing,
+detokenizing), as % of the step."""
 import time
 
 from tqdm import tqdm

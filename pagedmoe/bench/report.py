@@ -58,7 +58,7 @@ def latency_lines(result: dict) -> str:
         f"decode step: mean {result.get('decode_step_mean_ms', math.nan):.2f} ms, "
         f"p50 {result.get('decode_step_p50_ms', math.nan):.2f} ms, "
         f"p99 {result.get('decode_step_p99_ms', math.nan):.2f} ms",
-        f"engine overhead (step time outside runner.execute): {result['overhead_pct']:.1f}% of step time "
+        f"engine overhead (step time outside the model forward): {result['overhead_pct']:.1f}% of step time "
         f"(decode steps {result['decode_overhead_pct']:.1f}%), mean {result['overhead_mean_ms']:.2f} ms per step"])
 
 

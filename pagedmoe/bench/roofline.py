@@ -85,8 +85,8 @@ def attention_dims(hf_config) -> tuple[int, int]:
     return head_dim, head_dim
 
 
-def synchronize(device: torch.device):
-    if device.type == "cuda":
+def synchronize(device: torch.device | str):
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 

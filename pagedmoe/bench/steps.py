@@ -1,7 +1,7 @@
 """Per-step timing of an LLMEngine, from the outside: while a StepRecorder is active, the engine's `step` and
 its `runner` are wrapped (instance attributes only; the engine's code is untouched) and every step that ran
-a forward leaves a StepRecord. Step time minus runner.execute time is the engine overhead (scheduling,
-block bookkeeping, postprocessing, detokenizing)."""
+a forward leaves a StepRecord. Step time minus the model's own forward (and LM head) is the engine overhead:
+scheduling, block bookkeeping, input preparation, sampling, postprocessing, detokenizing."""
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,6 +15,7 @@ from pagedmoe.bench.roofline import ModelFlops, synchronize
 class StepRecord:
     step_s: float  # the whole engine.step()
     execute_s: float  # engine.runner.execute() inside it (input prep, forward, sampling)
+    forward_s: float  # the model's forward and compute_logits inside execute
     num_seqs: int
     num_tokens: int  # tokens fed this step
     num_prefill_tokens: int  # prompt tokens (or recomputed tokens after a preemption)
@@ -28,7 +29,7 @@ class StepRecord:
 
     @property
     def overhead_s(self) -> float:
-        return self.step_s - self.execute_s
+        return self.step_s - self.forward_s
 
 
 def classify(sched, counts: ModelFlops | None) -> dict:
@@ -45,6 +46,29 @@ def classify(sched, counts: ModelFlops | None) -> dict:
             "num_decode_tokens": decode, "num_sampled": sampled, "flops": flops}
 
 
+class _TimedModel:
+    """Stands in for runner.model: times the forward and the LM head."""
+
+    def __init__(self, model, recorder: "StepRecorder"):
+        self._model, self._recorder = model, recorder
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        synchronize(self._recorder.engine.config.device)
+        self._recorder.forward_s += time.perf_counter() - start
+        return out
+
+    def __call__(self, *args):
+        return self._timed(self._model, *args)
+
+    def compute_logits(self, hidden):
+        return self._timed(self._model.compute_logits, hidden)
+
+
 class _TimedRunner:
     """Stands in for engine.runner: times execute, forwards every other attribute."""
 
@@ -56,10 +80,11 @@ class _TimedRunner:
 
     def execute(self, sched):
         info = classify(sched, self._recorder.counts)
+        self._recorder.forward_s = 0.0
         start = time.perf_counter()
         out = self._runner.execute(sched)
         synchronize(self._runner.device)
-        self._recorder.pending = (time.perf_counter() - start, info)
+        self._recorder.pending = (time.perf_counter() - start, self._recorder.forward_s, info)
         return out
 
 
@@ -69,15 +94,18 @@ class StepRecorder:
     def __init__(self, engine, counts: ModelFlops | None = None):
         self.engine, self.counts = engine, counts
         self.records: list[StepRecord] = []
-        self.pending = None
+        self.pending, self.forward_s = None, 0.0
 
     def __enter__(self):
         self._step, self._runner = self.engine.step, self.engine.runner
+        self._model = self._runner.model
+        self._runner.model = _TimedModel(self._model, self)
         self.engine.runner = _TimedRunner(self._runner, self)
         self.engine.step = self._timed_step
         return self
 
     def __exit__(self, *exc):
+        self._runner.model = self._model
         self.engine.runner = self._runner
         vars(self.engine).pop("step", None)
 
@@ -87,8 +115,8 @@ class StepRecorder:
         outputs = self._step()
         elapsed = time.perf_counter() - start
         if self.pending is not None:
-            execute_s, info = self.pending
-            self.records.append(StepRecord(elapsed, execute_s, **info))
+            execute_s, forward_s, info = self.pending
+            self.records.append(StepRecord(elapsed, execute_s, forward_s, **info))
         return outputs
 
 
@@ -110,7 +138,7 @@ def time_stats(values: list[float], prefix: str = "") -> dict:
 
 
 def overhead_pct(records: list[StepRecord]) -> float:
-    """Time outside runner.execute as a percentage of the steps' total time."""
+    """Time outside the model forward as a percentage of the steps' total time."""
     total = sum(r.step_s for r in records)
     return 100 * sum(r.overhead_s for r in records) / total if total else float("nan")
 

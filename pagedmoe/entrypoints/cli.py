@@ -46,8 +46,13 @@ def cmd_serve(args):
 
 
 def cmd_run(args):
+    """pagedmoe's main job: a few offline generations, then the OpenAI server, on the bundled model."""
     from pagedmoe.entrypoints.demo import run_demo
     run_demo(DEFAULT_MODEL)
+    if os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")):
+        serve = build_parser().parse_args(["serve", "--dtype", "float32"])
+        print(f"\nserving {DEFAULT_MODEL} on http://127.0.0.1:{serve.port} (dashboard: /dashboard); Ctrl-C stops")
+        cmd_serve(serve)
 
 
 def cmd_bench(args):

@@ -50,7 +50,7 @@ def test_step_flops_sum_to_the_workload_flops(dense_model):
 
 
 def record(prefill: int, decode: int) -> StepRecord:
-    return StepRecord(1.0, 0.5, 1, prefill + decode, prefill, decode, 1, 0)
+    return StepRecord(1.0, 0.5, 0.4, 1, prefill + decode, prefill, decode, 1, 0)
 
 
 def test_split_prefill_takes_steps_up_to_the_last_prefill():
