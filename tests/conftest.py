@@ -1,8 +1,14 @@
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 
 from pagedmoe.engine.llm_engine import LLMEngine
+from pagedmoe.train.config import TrainConfig
+from pagedmoe.train.tokenizer import build_tokenizer
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 VOCAB = 320
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
@@ -84,3 +90,39 @@ def assert_all_blocks_free(engine: LLMEngine):
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
     assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
     assert all(c == 0 for c in engine.kv.pool.ref_counts)
+
+
+# trainer fixtures (tests/train)
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer(str(CORPUS), tmp_path_factory.mktemp("tok"), vocab_size=512, fraction=0.2)
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tokenizer_dir):
+    def make(**changes) -> TrainConfig:
+        base = TrainConfig(
+            out_dir=str(tmp_path / "run"),
+            tokenizer_dir=str(tokenizer_dir),
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=32,
+            dense_intermediate_size=64,
+            seq_len=32,
+            batch_size=8,
+            max_steps=6,
+            warmup_steps=2,
+            eval_interval=1000,
+            eval_batches=2,
+            checkpoint_interval=1000,
+            corpus_fraction=0.05,
+            threads=1,
+        )
+        return base.replace(**changes)
+
+    return make

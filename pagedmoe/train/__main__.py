@@ -1,0 +1,5 @@
+import sys
+
+from pagedmoe.train.cli import main
+
+sys.exit(main())
