@@ -31,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
+    prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):

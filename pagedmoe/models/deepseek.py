@@ -5,7 +5,7 @@ from torch import nn
 
 from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.attention.mla import MLAPagedAttention
-from pagedmoe.layers.linear import MergedLinear
+from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.moe.routers import RouterConfig
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding, rope_inv_freq, yarn_softmax_scale
@@ -24,17 +24,17 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         hidden, q_size, kv_a_size = config.hidden_size, self.num_heads * self.qk_dim, self.kv_lora_rank + self.rope_dim
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_size, bias=False)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a_size, bias=config.attention_bias)
+            self.q_proj = Linear(hidden, q_size, bias=False)
+            self.kv_a_proj_with_mqa = Linear(hidden, kv_a_size, bias=config.attention_bias)
         else:
             self.qkv_a_proj = MergedLinear(hidden, {"q_a_proj": self.q_lora_rank, "kv_a_proj_with_mqa": kv_a_size},
                                            bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.kv_lora_rank, self.v_dim))
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=config.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=config.attention_bias)
         self.rotary = rotary
         scale = yarn_softmax_scale(config.rope_parameters, self.qk_dim ** -0.5)
         self.attn = MLAPagedAttention(layer_idx, self.num_heads, self.kv_lora_rank, self.rope_dim, scale)

@@ -1,10 +1,10 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.attention.torch_backend import TorchPagedAttention
-from pagedmoe.layers.linear import MergedLinear
+from pagedmoe.layers.linear import Linear, MergedLinear
+from pagedmoe.layers.moe.fused_moe import silu_and_mul
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -27,7 +27,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.qk_norm, self.clip_qkv = qk_norm, getattr(config, "clip_qkv", None)
         q_norm_size, k_norm_size = (q_size, kv_size) if qk_norm == "full" else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if qk_norm else None
@@ -55,11 +55,10 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +86,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -6,7 +6,8 @@ import torch
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
-from pagedmoe.layers.attention.metadata import build_attention_metadata
+from pagedmoe.layers.linear import pack_weights
+from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.model_loader import load_model
@@ -27,6 +28,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config, self.device = config, torch.device(config.device)
         self.model = load_model(config)
+        if config.prepack_weights:
+            pack_weights(self.model)
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
@@ -34,6 +37,7 @@ class ModelRunner:
         self.kv_cache = KVCacheStorage(config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
                                        self.num_blocks, self.num_host_blocks, config.block_size,
                                        config.torch_dtype, self.device, disk_dir)
+        self.workspace = Workspace(config.torch_dtype, self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
@@ -91,7 +95,7 @@ class ModelRunner:
         bs = self.config.block_size
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         meta = build_attention_metadata(query_lens, torch.tensor(ends), block_tables, slot_mapping,
-                                        self.kv_cache.device_cache, bs, self.device)
+                                        self.kv_cache.device_cache, bs, self.workspace)
         return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta, ends)
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:

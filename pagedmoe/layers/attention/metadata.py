@@ -1,6 +1,21 @@
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+class Workspace:
+    """A grow-only scratch buffer that every layer and step reuses for gathered context. On CPU a fresh
+    tensor over glibc's mmap threshold (32 MB) is page-faulted in on every use, which cost more than the gather."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(0, dtype=dtype, device=device)
+
+    def get(self, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        if self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel, dtype=self.buffer.dtype, device=self.buffer.device)
+        return self.buffer[:numel].view(shape)
 
 
 @dataclass
@@ -18,17 +33,19 @@ class AttentionMetadata:
     kv_caches: torch.Tensor  # [num_layers, ...] paged storage, one entry per layer
     groups: list[AttentionGroup]
     block_size: int
+    workspace: Workspace
     expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
 
 
 def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                              slot_mapping: torch.Tensor, kv_caches: torch.Tensor, block_size: int,
-                             device: torch.device) -> AttentionMetadata:
+                             workspace: Workspace) -> AttentionMetadata:
+    device = workspace.buffer.device
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
     groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, device)
               for sel in (is_decode, ~is_decode) if sel.any()]
-    return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size)
+    return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace)
 
 
 def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, device) -> AttentionGroup:

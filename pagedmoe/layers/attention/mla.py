@@ -22,13 +22,15 @@ class MLAPagedAttention:
         q = torch.cat((q_latent, q_pe), dim=-1)
         out = q_latent.new_empty(q_latent.shape)
         for group in meta.groups:
-            o = self._attend(q, cache, group)
+            o = self._attend(q, cache, group, meta.workspace)
             out[group.token_index[group.valid]] = o[group.valid]
         return out
 
-    def _attend(self, q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, workspace) -> torch.Tensor:
         num_seqs, num_rows = group.token_index.shape
-        context = cache[group.block_tables].view(num_seqs, 1, -1, self.entry_size)
+        context = workspace.get((group.block_tables.numel(), *cache.shape[1:]))
+        torch.index_select(cache, 0, group.block_tables.flatten(), out=context)
+        context = context.view(num_seqs, 1, -1, self.entry_size)
         queries = q[group.token_index].view(num_seqs, 1, num_rows * self.num_heads, self.entry_size)
         o = F.scaled_dot_product_attention(queries, context, context[..., :self.kv_lora_rank],
                                            attn_mask=self._per_head_mask(group.mask), scale=self.scale)

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata, Workspace
 
 
 class TorchPagedAttention:
@@ -15,19 +15,21 @@ class TorchPagedAttention:
         self.head_dim, self.scale = head_dim, scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        k_cache, v_cache = meta.kv_caches[self.layer_idx].split(self.num_kv_heads)
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
+        cache = meta.kv_caches[self.layer_idx]
+        k_cache, v_cache = cache.split(self.num_kv_heads)
+        for half, new in ((k_cache, k), (v_cache, v)):
+            half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
         out = torch.empty_like(q)
         for group in meta.groups:
-            o = self._attend(q, k_cache, v_cache, group)
+            o = self._attend(q, cache, group, meta.workspace)
             out[group.token_index[group.valid]] = o[group.valid]
         return out
 
-    def _attend(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
-        num_seqs = group.block_tables.shape[0]
-        keys = k_cache[:, group.block_tables].view(self.num_kv_heads, num_seqs, -1, self.head_dim)
-        values = v_cache[:, group.block_tables].view(self.num_kv_heads, num_seqs, -1, self.head_dim)
+    def _attend(self, q, cache, group: AttentionGroup, workspace: Workspace) -> torch.Tensor:
+        num_seqs, num_blocks = group.block_tables.shape
+        context = workspace.get((2 * self.num_kv_heads, num_seqs * num_blocks, cache.shape[2] * self.head_dim))
+        torch.index_select(cache.flatten(2), 1, group.block_tables.flatten(), out=context)
+        keys, values = context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
         if group.token_index.shape[1] == 1:
             return self._attend_decode(q[group.token_index[:, 0]], keys, values, group.mask)
         o = F.scaled_dot_product_attention(q[group.token_index].transpose(1, 2), keys.transpose(0, 1),

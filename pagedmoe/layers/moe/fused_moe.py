@@ -5,13 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedmoe.layers.linear import packed_linear
+
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if torch.is_grad_enabled():
+        return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def swigluoai_and_mul(gate_up: Tensor) -> Tensor:
@@ -51,10 +55,21 @@ def looped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     return out
 
 
-def expert_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor, bias: Tensor | None,
+def packed_looped_linear(x_sorted: Tensor, packed: list[Tensor], counts: Tensor) -> Tensor:
+    out = x_sorted.new_empty(x_sorted.shape[0], packed[0].shape[0])
+    ends = counts.cumsum(0).tolist()
+    for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:
+            out[start:end] = packed_linear(x_sorted[start:end], packed[expert])
+    return out
+
+
+def expert_linear(x_sorted: Tensor, weight: Tensor | list[Tensor], counts: Tensor, bias: Tensor | None,
                   sorted_ids: Tensor, use_grouped_mm: bool) -> Tensor:
-    linear = grouped_linear if use_grouped_mm else looped_linear
-    out = linear(x_sorted, weight, counts)
+    if isinstance(weight, list):
+        out = packed_looped_linear(x_sorted, weight, counts)
+    else:
+        out = (grouped_linear if use_grouped_mm else looped_linear)(x_sorted, weight, counts)
     return out if bias is None else out + bias[sorted_ids]
 
 
@@ -66,11 +81,14 @@ def combine(out_sorted: Tensor, order: Tensor, topk_weights: Tensor) -> Tensor:
 
 def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                   activation: str = "silu", w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
-                  use_grouped_mm: bool | None = None) -> Tensor:
+                  use_grouped_mm: bool | None = None, packed: tuple[list, list] | None = None) -> Tensor:
+    """packed: per-expert pre-packed (w13, w2) copies (FusedMoE.pack); used instead of w13 / w2 when given."""
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w13, w2)
     top_k = topk_ids.shape[1]
     counts = expert_counts(topk_ids, w13.shape[0])
+    if packed is not None:
+        w13, w2 = packed
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
     x_sorted = x[order // top_k]
     hidden = expert_linear(x_sorted, w13, counts, w13_bias, sorted_ids, use_grouped_mm)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedmoe.layers.linear import can_pack, pack_weight
 from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
@@ -53,6 +54,12 @@ class FusedMoE(nn.Module):
                                if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
 
+    packed_experts: tuple[list[Tensor], list[Tensor]] | None = None
+
+    def pack(self):
+        if can_pack(self.w13[0]) and can_pack(self.w2[0]):
+            self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
+
     def router_logits(self, x: Tensor) -> Tensor:
         if not self.router.fp32_logits:
             return self.gate(x)
@@ -68,7 +75,7 @@ class FusedMoE(nn.Module):
         if expert_load is not None:
             expert_load += expert_counts(topk_ids, self.num_experts)
         out = fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
-                            self.w13_bias, self.w2_bias)
+                            self.w13_bias, self.w2_bias, packed=self.packed_experts)
         return out if self.shared_experts is None else out + self.shared_output(x)
 
     def expert_shard(self, expert: int, proj: str) -> Tensor:
