@@ -3,6 +3,8 @@ import os
 import tempfile
 
 import torch
+
+from pagedmoe.memory import zeros_huge
 from safetensors.torch import load_file, save_file
 
 from pagedmoe.engine.kv_cache_manager import BlockTransfers
@@ -17,7 +19,7 @@ class KVCacheStorage:
                  num_host_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  disk_dir: str | None = None):
         shape = (num_layers, num_kv_tensors, num_blocks, block_size, *token_shape)
-        self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.device_cache = zeros_huge(shape, dtype, device)
         host_shape = (num_layers, num_kv_tensors, num_host_blocks, block_size, *token_shape)
         pin = torch.device(device).type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)

@@ -3,6 +3,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedmoe.memory import empty_huge
+
 
 class Workspace:
     """A grow-only scratch buffer that every layer and step reuses for gathered context. On CPU a fresh
@@ -14,7 +16,7 @@ class Workspace:
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
         if self.buffer.numel() < numel:
-            self.buffer = torch.empty(numel, dtype=self.buffer.dtype, device=self.buffer.device)
+            self.buffer = empty_huge((numel,), self.buffer.dtype, self.buffer.device)
         return self.buffer[:numel].view(shape)
 
 
@@ -25,6 +27,14 @@ class AttentionGroup:
     valid: torch.Tensor  # [B, max_query_len] which padded rows are real tokens
     block_tables: torch.Tensor  # [B, num_blocks] blocks covering the longest context in the group
     mask: torch.Tensor  # [B, 1, max_query_len, num_blocks * block_size] causal mask over the context
+    context_index: torch.Tensor  # [num_kv_tensors, B, num_blocks] rows of a layer's cache viewed as [-1, block]
+    query_starts: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.token_index.shape[1] == 1
 
 
 @dataclass
@@ -43,8 +53,12 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
     device = workspace.buffer.device
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
+    num_kv_tensors, num_cache_blocks = kv_caches.shape[1:3]
     groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, device)
               for sel in (is_decode, ~is_decode) if sel.any()]
+    for group in groups:
+        head_offsets = torch.arange(num_kv_tensors, device=device)[:, None, None] * num_cache_blocks
+        group.context_index = head_offsets + group.block_tables[None]
     return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace)
 
 
@@ -58,4 +72,4 @@ def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_siz
     key_pos = torch.arange(num_blocks * block_size)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
     return AttentionGroup(token_index.to(device), valid.to(device), block_tables[sel, :num_blocks].to(device),
-                          mask.to(device))
+                          mask.to(device), None, query_start.tolist(), query_lens.tolist(), seq_lens.tolist())

@@ -6,9 +6,10 @@ from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata
 
 class TorchPagedAttention:
     """PyTorch paged attention (CPU and CUDA). A layer's cache is head-major, [2 * num_kv_heads, num_blocks,
-    block_size, head_dim] (K heads then V heads), so gathering a group's blocks gives [heads, seqs, context,
-    head_dim] with no transpose copy. New K/V are written into their slots first, then each group (decodes /
-    prefill chunks) attends over its context in one call."""
+    block_size, head_dim] (K heads then V heads): viewed as rows of one (head, block) each, a group's context
+    is one row gather into the workspace, already [heads, seqs, context, head_dim]. New K/V are written into
+    their slots first. Decodes attend together in two batched matmuls; prefill chunks one sequence at a time,
+    so a chunk with no earlier context runs causal SDPA with no padding and no mask."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
@@ -16,34 +17,48 @@ class TorchPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         cache = meta.kv_caches[self.layer_idx]
-        k_cache, v_cache = cache.split(self.num_kv_heads)
-        for half, new in ((k_cache, k), (v_cache, v)):
+        for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
             half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
+        rows = cache.view(-1, cache.shape[2] * self.head_dim)
         out = torch.empty_like(q)
         for group in meta.groups:
-            o = self._attend(q, cache, group, meta.workspace)
-            out[group.token_index[group.valid]] = o[group.valid]
+            if group.is_decode:
+                out[group.token_index[:, 0]] = self._attend_decode(q[group.token_index[:, 0]], rows, group,
+                                                                   meta.workspace)
+            else:
+                self._attend_prefill(q, rows, group, meta.workspace, out)
         return out
 
-    def _attend(self, q, cache, group: AttentionGroup, workspace: Workspace) -> torch.Tensor:
-        num_seqs, num_blocks = group.block_tables.shape
-        context = workspace.get((2 * self.num_kv_heads, num_seqs * num_blocks, cache.shape[2] * self.head_dim))
-        torch.index_select(cache.flatten(2), 1, group.block_tables.flatten(), out=context)
-        keys, values = context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
-        if group.token_index.shape[1] == 1:
-            return self._attend_decode(q[group.token_index[:, 0]], keys, values, group.mask)
-        o = F.scaled_dot_product_attention(q[group.token_index].transpose(1, 2), keys.transpose(0, 1),
-                                           values.transpose(0, 1), attn_mask=group.mask, scale=self.scale,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(1, 2)
+    def _gather(self, rows, index: torch.Tensor, num_seqs: int, workspace: Workspace):
+        """K and V of the indexed blocks, each [num_kv_heads, num_seqs, context, head_dim]."""
+        context = workspace.get((index.numel(), rows.shape[1]))
+        torch.index_select(rows, 0, index, out=context)
+        return context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
 
-    def _attend_decode(self, q, keys, values, mask) -> torch.Tensor:
+    def _attend_decode(self, q, rows, group: AttentionGroup, workspace: Workspace) -> torch.Tensor:
         """One query per sequence: two batched matmuls with the query heads grouped per KV head
         (CPU SDPA kernels are slow for a single query row)."""
         num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
+        keys, values = self._gather(rows, group.context_index.flatten(), num_seqs, workspace)
         q = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask.view(1, num_seqs, 1, -1), float("-inf"))
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)
+        scores = scores.masked_fill_(~group.mask.view(1, num_seqs, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs, values)
-        return o.transpose(0, 1).reshape(num_seqs, 1, self.num_heads, self.head_dim)
+        return o.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim)
+
+    def _attend_prefill(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor):
+        bs = rows.shape[1] // self.head_dim
+        for i, (start, num_new, seq_len) in enumerate(zip(group.query_starts, group.query_lens, group.seq_lens)):
+            index = group.context_index[:, i, :-(-seq_len // bs)].flatten()
+            keys, values = (c[:, :, :seq_len].transpose(0, 1) for c in self._gather(rows, index, 1, workspace))
+            mask = None if num_new == seq_len else causal_mask(num_new, seq_len, q.device)
+            o = F.scaled_dot_product_attention(q[start:start + num_new].transpose(0, 1)[None], keys, values,
+                                               attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            out[start:start + num_new] = o[0].transpose(0, 1)
+
+
+def causal_mask(num_queries: int, seq_len: int, device) -> torch.Tensor:
+    """[num_queries, seq_len]: the queries are the last num_queries positions of the sequence."""
+    return torch.ones(num_queries, seq_len, dtype=torch.bool, device=device).tril(seq_len - num_queries)

@@ -1,0 +1,37 @@
+"""Large CPU buffers backed by transparent huge pages.
+
+The paged KV cache is read as thousands of scattered 4 KB runs per layer and step; on 4 KB pages nearly
+every run is a TLB miss, and the gather ran at a third of the copy bandwidth. Linux with THP in `madvise`
+mode (the common default) gives 2 MB pages to ranges marked MADV_HUGEPAGE before they are first touched.
+"""
+import ctypes
+import math
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def _madvise_hugepage(address: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.empty, on huge pages where the platform allows (Linux CPU tensors of a huge page or more)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    _madvise_hugepage(raw.data_ptr() + offset, nbytes)
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    return empty_huge(shape, dtype, device).zero_()
