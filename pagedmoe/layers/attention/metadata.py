@@ -20,9 +20,20 @@ class Workspace:
         return self.buffer[:numel].view(shape)
 
 
+CHUNK_BYTES = 8 << 20  # CPU decode chunks: gathered context well inside a 32 MB L3
+
+
+@dataclass
+class DecodeChunk:
+    """Decoding sequences attended together, padded to the longest among them."""
+    token_index: torch.Tensor  # [n] step-token index of each sequence's query
+    context_index: torch.Tensor  # [num_kv_tensors * n * num_blocks] rows of a layer's cache viewed [-1, block]
+    padding: torch.Tensor  # [1, n, 1, num_blocks * block_size] gathered positions that are not context
+
+
 @dataclass
 class AttentionGroup:
-    """Sequences attended together in one padded SDPA call: all decodes, or all prefill chunks."""
+    """Sequences attended together: all decodes, or all prefill chunks."""
     token_index: torch.Tensor  # [B, max_query_len] step-token index of each padded query row
     valid: torch.Tensor  # [B, max_query_len] which padded rows are real tokens
     block_tables: torch.Tensor  # [B, num_blocks] blocks covering the longest context in the group
@@ -31,6 +42,7 @@ class AttentionGroup:
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
+    decode_chunks: list[DecodeChunk]
 
     @property
     def is_decode(self) -> bool:
@@ -53,16 +65,13 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
     device = workspace.buffer.device
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
-    num_kv_tensors, num_cache_blocks = kv_caches.shape[1:3]
-    groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, device)
+    groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device)
               for sel in (is_decode, ~is_decode) if sel.any()]
-    for group in groups:
-        head_offsets = torch.arange(num_kv_tensors, device=device)[:, None, None] * num_cache_blocks
-        group.context_index = head_offsets + group.block_tables[None]
     return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace)
 
 
-def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, device) -> AttentionGroup:
+def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches,
+                 device) -> AttentionGroup:
     query_lens, seq_lens, query_start = query_lens[sel], seq_lens[sel], query_start[sel]
     rows = torch.arange(int(query_lens.max()))
     valid = rows[None, :] < query_lens[:, None]
@@ -71,5 +80,28 @@ def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_siz
     query_pos = (seq_lens - query_lens)[:, None] + rows[None, :]
     key_pos = torch.arange(num_blocks * block_size)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-    return AttentionGroup(token_index.to(device), valid.to(device), block_tables[sel, :num_blocks].to(device),
-                          mask.to(device), None, query_start.tolist(), query_lens.tolist(), seq_lens.tolist())
+    tables = block_tables[sel, :num_blocks]
+    context_index = torch.arange(kv_caches.shape[1])[:, None, None] * kv_caches.shape[2] + tables[None]
+    block_bytes = kv_caches[0, :, 0].numel() * kv_caches.element_size()
+    chunks = _decode_chunks(token_index[:, 0], context_index, mask, seq_lens, block_size, block_bytes,
+                            device) if rows.numel() == 1 else []
+    return AttentionGroup(token_index.to(device), valid.to(device), tables.to(device), mask.to(device),
+                          context_index.to(device), query_start.tolist(), query_lens.tolist(), seq_lens.tolist(),
+                          chunks)
+
+
+def _decode_chunks(token_index, context_index, mask, seq_lens, block_size, block_bytes,
+                   device) -> list[DecodeChunk]:
+    """Longest context first, in chunks padded only to their own longest; on CPU each chunk's gathered context
+    stays cache-resident (CHUNK_BYTES) between the gather and the two matmuls that read it."""
+    order = torch.argsort(seq_lens, descending=True, stable=True)
+    chunks, start = [], 0
+    while start < len(order):
+        num_blocks = -(-int(seq_lens[order[start]]) // block_size)
+        size = max(1, CHUNK_BYTES // (num_blocks * block_bytes)) if device.type == "cpu" else len(order)
+        rows = order[start:start + size]
+        chunks.append(DecodeChunk(token_index[rows].to(device),
+                                  context_index[:, rows, :num_blocks].flatten().to(device),
+                                  ~mask[rows, 0, 0, :num_blocks * block_size][None, :, None].to(device)))
+        start += size
+    return chunks

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata, Workspace
+from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata, DecodeChunk, Workspace
 
 
 class TorchPagedAttention:
@@ -23,8 +23,7 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for group in meta.groups:
             if group.is_decode:
-                out[group.token_index[:, 0]] = self._attend_decode(q[group.token_index[:, 0]], rows, group,
-                                                                   meta.workspace)
+                self._attend_decodes(q, rows, group, meta.workspace, out)
             else:
                 self._attend_prefill(q, rows, group, meta.workspace, out)
         return out
@@ -32,17 +31,24 @@ class TorchPagedAttention:
     def _gather(self, rows, index: torch.Tensor, num_seqs: int, workspace: Workspace):
         """K and V of the indexed blocks, each [num_kv_heads, num_seqs, context, head_dim]."""
         context = workspace.get((index.numel(), rows.shape[1]))
-        torch.index_select(rows, 0, index, out=context)
+        if rows.element_size() == 2:  # 16-bit rows gather 3x slower per byte in place; move them as 32-bit words
+            torch.index_select(rows.view(torch.int32), 0, index, out=context.view(torch.int32))
+        else:
+            torch.index_select(rows, 0, index, out=context)
         return context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
 
-    def _attend_decode(self, q, rows, group: AttentionGroup, workspace: Workspace) -> torch.Tensor:
+    def _attend_decodes(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor):
+        for chunk in group.decode_chunks:
+            out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, workspace)
+
+    def _attend_decode(self, q, rows, chunk: DecodeChunk, workspace: Workspace) -> torch.Tensor:
         """One query per sequence: two batched matmuls with the query heads grouped per KV head
         (CPU SDPA kernels are slow for a single query row)."""
         num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
-        keys, values = self._gather(rows, group.context_index.flatten(), num_seqs, workspace)
+        keys, values = self._gather(rows, chunk.context_index, num_seqs, workspace)
         q = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)
-        scores = scores.masked_fill_(~group.mask.view(1, num_seqs, 1, -1), float("-inf"))
+        scores = scores.masked_fill_(chunk.padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs, values)
         return o.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim)
