@@ -5,13 +5,15 @@
 writes OUT_DIR/qwen3-100m: a ~100M-parameter dense Qwen3-shaped model (hidden 768, 12 layers, 12 heads /
 4 KV heads, head_dim 64, intermediate 2048, vocab 32000, tied embeddings), and OUT_DIR/qwen3-moe-100m-active:
 the same shape with each MLP replaced by 8 experts of intermediate 1024, top-2 (active expert parameters per
-token equal to the dense MLP's; ~280M total parameters, ~100M active).
+token equal to the dense MLP's; ~280M total parameters, ~100M active). Each gets a word-level tokenizer, one token
+per id, so a server can stream text.
 """
 import os
 import sys
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 
 def qwen3_100m_config() -> transformers.Qwen3Config:
@@ -28,10 +30,19 @@ def qwen3_moe_config() -> transformers.Qwen3MoeConfig:
                                        tie_word_embeddings=True, eos_token_id=None)
 
 
+def save_tokenizer(vocab_size: int, path: str):
+    """One word-level token per id ("<17>"): random weights have no real vocabulary, but a server needs a
+    tokenizer to detokenize its streams."""
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+
+
 def save(config, path: str, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
+    save_tokenizer(config.vocab_size, path)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{path}: {num_params / 1e6:.1f}M parameters")
 

@@ -22,8 +22,8 @@ def _throughput(args):
     from pagedmoe.bench.throughput import pagedmoe_throughput
     from pagedmoe.bench.workload import build_workload
     if "llama.cpp" in args.baseline:
-        from pagedmoe.bench.llamacpp import require_llama_cpp
-        require_llama_cpp()  # fail before the long runs, not after
+        from pagedmoe.bench.llamacpp import check_llama_cpp
+        check_llama_cpp()  # fail before the long runs, not after
     llm, counts = _load_llm(args, bool(args.dataset))
     config = llm.engine.config
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())

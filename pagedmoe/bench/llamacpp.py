@@ -5,6 +5,7 @@ exactly output_len tokens each), like hf-sequential. The GGUF is `--gguf PATH` i
 to a temporary copy by `convert_to_gguf` (dense Llama / Qwen2 / Qwen3, weights in the run's dtype, no
 tokenizer: the bench feeds token ids). Other architectures: convert with llama.cpp's convert_hf_to_gguf.py
 and pass --gguf."""
+import importlib.util
 import math
 import os
 import tempfile
@@ -24,6 +25,13 @@ INSTALL_HINT = ("the llama.cpp baseline needs llama-cpp-python, an optional extr
                 "set CMAKE_ARGS, e.g. -DGGML_CUDA=on, for a GPU build)")
 ROPE_FREQS = "rope_freqs.weight"  # GGUF's own name: not an HF tensor
 ARCHS = {"LlamaForCausalLM": "LLAMA", "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3"}
+
+
+def check_llama_cpp():
+    """Fails early when the extra is missing, without loading llama.cpp's native library (and its threads)
+    into the process before pagedmoe's own run."""
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llama_cpp") is None:
+        raise RuntimeError(INSTALL_HINT)
 
 
 def require_llama_cpp():

@@ -4,6 +4,7 @@ import torch
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.layers.attention import metadata
 
 NUM_NEW = 32
 SCENARIOS = {
@@ -12,6 +13,7 @@ SCENARIOS = {
     "chunked": dict(max_num_batched_tokens=16),
     "recompute": dict(num_kv_blocks=14, preemption_mode="recompute"),
     "swap": dict(num_kv_blocks=14, preemption_mode="swap"),
+    "unpacked": dict(prepack_weights=False),
 }
 
 
@@ -36,6 +38,17 @@ def test_greedy_matches_hf(reference, scenario):
     stats = llm.engine.get_stats()
     if scenario in ("recompute", "swap"):
         assert getattr(stats, f"num_preemptions_{scenario}") > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_greedy_matches_hf_one_sequence_per_decode_chunk(reference, monkeypatch):
+    """Decode chunks of one sequence each (CPU chunks by bytes), longest first: same tokens as HF."""
+    monkeypatch.setattr(metadata, "CHUNK_BYTES", 1)
+    path, prompts, expected = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm.engine)
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedmoe.layers.linear import pack_weight
 from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts, swigluoai_and_mul
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 16, 8
@@ -82,3 +83,11 @@ def test_gradients_flow_with_unused_experts():
     topk_ids, topk_weights = torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.full((3, 2), 0.5)
     fused_experts(x, w13, w2, topk_weights, topk_ids).sum().backward()
     assert w13.grad[0].abs().sum() > 0 and w13.grad[2:].abs().sum() == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_prepacked_experts_match_reference():
+    x, w13, w2, topk_weights, topk_ids = make_problem(seed=4)
+    packed = ([pack_weight(w) for w in w13], [pack_weight(w) for w in w2])
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, packed=packed)
+    torch.testing.assert_close(out, reference(x, w13, w2, topk_weights, topk_ids))

@@ -1,0 +1,23 @@
+import sys
+
+import pytest
+import torch
+
+from pagedmoe.memory import HUGE_PAGE, empty_huge, zeros_huge
+
+
+def test_small_tensors_are_plain():
+    t = empty_huge((4, 5), torch.float32)
+    assert t.shape == (4, 5) and t.dtype == torch.float32 and t.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_tensors_are_huge_page_aligned_and_usable(dtype):
+    shape = (3, HUGE_PAGE // 1024, 300)
+    t = zeros_huge(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.abs().sum().item() == 0
+    if sys.platform.startswith("linux"):
+        assert t.data_ptr() % HUGE_PAGE == 0
+    t[1, 2, 3] = 5
+    assert t.sum().item() == 5
