@@ -142,11 +142,23 @@ def run_baseline(name: str, model_dir: str, dtype: torch.dtype, workload: list[B
         return hf_static(model_dir, dtype, workload, device, args.hf_batch_size)
     if name == "hf-cb":
         return hf_cb(model_dir, dtype, workload, device, max_batch_tokens=args.max_num_batched_tokens)
+    if name == "pagedmoe-float32":
+        return pagedmoe_float32(workload, args)
     if name == "llama.cpp":
         from pagedmoe.bench.llamacpp import llama_cpp_baseline
         return llama_cpp_baseline(model_dir, workload, args)
     return BASELINES[name](model_dir, dtype, workload, device)
 
 
+def pagedmoe_float32(workload: list[BenchRequest], args) -> dict:
+    """pagedmoe itself with the same engine arguments in float32, the reference dtype: the speed-up of a
+    faster --dtype, measured in the same invocation."""
+    from pagedmoe.bench.throughput import pagedmoe_throughput
+    from pagedmoe.entrypoints.cli import engine_kwargs
+    from pagedmoe.llm import LLM
+    llm = LLM(args.model, **engine_kwargs(args) | {"dtype": "float32", "skip_tokenizer_init": True})
+    return pagedmoe_throughput(llm, workload) | {"engine": "pagedmoe-float32"}
+
+
 BASELINES = {"hf-sequential": hf_sequential, "hf-static": hf_static, "hf-cb": hf_cb}
-BASELINE_NAMES = [*BASELINES, "llama.cpp"]
+BASELINE_NAMES = [*BASELINES, "llama.cpp", "pagedmoe-float32"]

@@ -122,7 +122,8 @@ def _add_throughput(sub):
     tp.add_argument("--model", default=DEFAULT_MODEL)
     add_workload_args(tp)
     tp.add_argument("--baseline", action="append", default=[], choices=BASELINE_NAMES,
-                    help="repeatable: hf-sequential, hf-static, hf-cb, llama.cpp")
+                    help="repeatable: hf-sequential, hf-static, hf-cb, llama.cpp, pagedmoe-float32 (pagedmoe "
+                         "itself in float32, for the speed-up of --dtype bfloat16)")
     tp.add_argument("--hf-batch-size", type=int, default=HF_STATIC_BATCH_SIZE, help="hf-static batch size")
     tp.add_argument("--gguf", default=None, help="llama.cpp: an existing GGUF of the model (else converted)")
     tp.add_argument("--peak-matmul-size", type=int, default=1024, help="N of the N^3 matmul that measures the peak")

@@ -99,3 +99,16 @@ def test_passthrough_subcommands_get_their_own_options(monkeypatch):
     monkeypatch.setattr("pagedmoe.bench.moe.main", lambda argv: seen.setdefault("moe", argv))
     cli_main(["bench", "moe", "--num-tokens", "8", "--dtypes", "float32"])
     assert seen["moe"] == ["--num-tokens", "8", "--dtypes", "float32"]
+
+
+def test_bfloat16_against_pagedmoe_float32_in_one_invocation(dense_model, tmp_path):
+    out = tmp_path / "bench.json"
+    args = throughput_args(dense_model[0], out, "--baseline", "pagedmoe-float32")
+    args[args.index("--dtype") + 1] = "bfloat16"
+    cli_main(args)
+    results = json.loads(out.read_text())
+    ours, fp32 = results["pagedmoe"], results["pagedmoe-float32"]
+    assert results["args"]["dtype"] == "bfloat16"
+    assert fp32["engine"] == "pagedmoe-float32" and fp32["output_tokens"] == ours["output_tokens"] > 0
+    assert fp32["steps"]["num_decode_steps"] > 0
+    assert results["ratio_vs_pagedmoe-float32"] == ours["output_tok_s"] / fp32["output_tok_s"]
