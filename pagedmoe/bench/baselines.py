@@ -156,8 +156,13 @@ def pagedmoe_float32(workload: list[BenchRequest], args) -> dict:
     from pagedmoe.bench.throughput import pagedmoe_throughput
     from pagedmoe.entrypoints.cli import engine_kwargs
     from pagedmoe.llm import LLM
+    from pagedmoe.bench.roofline import matmul_peak, model_flops, roofline
     llm = LLM(args.model, **engine_kwargs(args) | {"dtype": "float32", "skip_tokenizer_init": True})
-    return pagedmoe_throughput(llm, workload) | {"engine": "pagedmoe-float32"}
+    counts = model_flops(llm.engine.runner.model, llm.engine.config.hf_config)
+    peak = matmul_peak(torch.float32, args.device, args.peak_matmul_size, args.peak_repeats)
+    row = pagedmoe_throughput(llm, workload, counts) | {"engine": "pagedmoe-float32", "float32_peak": peak}
+    return row | {"float32_roofline": roofline(counts.workload_flops(workload), row["elapsed_s"],
+                                               row["output_tokens"], peak["peak_flop_s"])}
 
 
 BASELINES = {"hf-sequential": hf_sequential, "hf-static": hf_static, "hf-cb": hf_cb}

@@ -52,8 +52,9 @@ def _add_rooflines(results: dict, engines: list[str], flops: int, peak: dict):
     from pagedmoe.bench.throughput import decode_roofline
     for name in engines:
         row = results[name]
-        row |= {k: v for k, v in roofline(flops, row["elapsed_s"], row["output_tokens"], peak["peak_flop_s"]).items()
-                if k in ("achieved_flop_s", "roofline_pct")}
+        own = row.get("float32_roofline") or roofline(flops, row["elapsed_s"], row["output_tokens"],
+                                                      peak["peak_flop_s"])  # pagedmoe-float32: its dtype's peak
+        row |= {k: v for k, v in own.items() if k in ("achieved_flop_s", "roofline_pct")}
         if name != "pagedmoe":
             results[f"ratio_vs_{name}"] = results["pagedmoe"]["output_tok_s"] / row["output_tok_s"]
     ours = results["pagedmoe"]

@@ -110,5 +110,7 @@ def test_bfloat16_against_pagedmoe_float32_in_one_invocation(dense_model, tmp_pa
     ours, fp32 = results["pagedmoe"], results["pagedmoe-float32"]
     assert results["args"]["dtype"] == "bfloat16"
     assert fp32["engine"] == "pagedmoe-float32" and fp32["output_tokens"] == ours["output_tokens"] > 0
-    assert fp32["steps"]["num_decode_steps"] > 0
+    assert fp32["steps"]["num_decode_steps"] > 0 and fp32["float32_peak"]["dtype"] == "float32"
+    assert fp32["roofline_pct"] == pytest.approx(fp32["float32_roofline"]["roofline_pct"])
+    assert fp32["roofline_pct"] > 0
     assert results["ratio_vs_pagedmoe-float32"] == ours["output_tok_s"] / fp32["output_tok_s"]

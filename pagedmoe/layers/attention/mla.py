@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedmoe.layers.attention.torch_backend import gather_rows
 
 
 class MLAPagedAttention:
@@ -28,8 +29,9 @@ class MLAPagedAttention:
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, workspace) -> torch.Tensor:
         num_seqs, num_rows = group.token_index.shape
-        context = workspace.get((group.block_tables.numel(), *cache.shape[1:]))
-        torch.index_select(cache, 0, group.block_tables.flatten(), out=context)
+        rows = cache.view(cache.shape[0], -1)
+        index = group.block_tables.flatten()
+        context = gather_rows(rows, index, workspace.get((index.numel(), rows.shape[1])))
         context = context.view(num_seqs, 1, -1, self.entry_size)
         queries = q[group.token_index].view(num_seqs, 1, num_rows * self.num_heads, self.entry_size)
         o = F.scaled_dot_product_attention(queries, context, context[..., :self.kv_lora_rank],
