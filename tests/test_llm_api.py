@@ -78,3 +78,17 @@ def test_cli_generate(text_model, capsys):
     cli_main(["generate", "--model", text_model[0], "--prompt", "ROMEO:", "--max-tokens", "6", "--dtype",
               "float32", "--temperature", "0"])
     assert "ROMEO:" in capsys.readouterr().out
+
+
+def test_bfloat16_decode_logprobs_track_float32_reference(tmp_path):
+    """bf16 path (packed bf16 weights, 16-bit KV gathers, chunked decode attention) against HF in float32."""
+    model = save_random_model(tiny_dense_config("qwen3"), tmp_path)
+    prompts = [[5 + i, 6, 7, 8, 9 + i] * (2 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), dim=-1)
+        for i, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - ref[len(prompt) - 1 + i, token].item()) < 0.1

@@ -47,3 +47,13 @@ def test_prefill_groups_have_no_decode_chunks():
     assert decode.is_decode and len(decode.decode_chunks) == 1
     assert not prefill.is_decode and prefill.decode_chunks == []
     assert prefill.query_starts == [0] and prefill.query_lens == [3] and prefill.seq_lens == [3]
+
+
+def test_gather_rows_for_every_width_and_dtype():
+    from pagedmoe.layers.attention.torch_backend import gather_rows
+    index = torch.tensor([3, 0, 3, 2])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for width in (6, 7):
+            rows = torch.randn(5, width).to(dtype)
+            out = gather_rows(rows, index, torch.empty(4, width, dtype=dtype))
+            assert torch.equal(out, rows[index])
