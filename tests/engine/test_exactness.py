@@ -4,6 +4,7 @@ import torch
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.layers import linear
 from pagedmoe.layers.attention import metadata
 
 NUM_NEW = 32
@@ -13,7 +14,6 @@ SCENARIOS = {
     "chunked": dict(max_num_batched_tokens=16),
     "recompute": dict(num_kv_blocks=14, preemption_mode="recompute"),
     "swap": dict(num_kv_blocks=14, preemption_mode="swap"),
-    "unpacked": dict(prepack_weights=False),
 }
 
 
@@ -38,6 +38,20 @@ def test_greedy_matches_hf(reference, scenario):
     stats = llm.engine.get_stats()
     if scenario in ("recompute", "swap"):
         assert getattr(stats, f"num_preemptions_{scenario}") > 0
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_greedy_matches_hf_with_and_without_packed_weights(reference, monkeypatch, prepack):
+    """Tiny weights fall under PACK_MIN_BYTES; lowered to 0, every linear runs on oneDNN packed weights."""
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
+    path, prompts, expected = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, prepack_weights=prepack)
+    assert (llm.engine.runner.model.lm_head.packed_weight is not None) == (
+        prepack and torch.backends.mkldnn.is_available())
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm.engine)
 
 

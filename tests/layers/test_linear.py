@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmoe.layers.linear import Linear, MergedLinear, can_pack, pack_weights
+from pagedmoe.layers import linear
+from pagedmoe.layers.linear import PACK_MIN_BYTES, Linear, MergedLinear, can_pack, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.routers import RouterConfig
 
@@ -35,7 +36,8 @@ def test_pack_skips_what_cannot_be_packed():
 
 
 @needs_onednn
-def test_pack_weights_reaches_every_packable_layer():
+def test_pack_weights_reaches_every_packable_layer(monkeypatch):
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
     router = RouterConfig(top_k=2)
     model = nn.ModuleDict({"proj": MergedLinear(16, {"a": 8, "b": 8}), "plain": nn.Linear(16, 16),
                            "moe": FusedMoE(4, 16, 8, router)})
@@ -43,3 +45,10 @@ def test_pack_weights_reaches_every_packable_layer():
     assert model["proj"].packed_weight is not None
     assert model["moe"].packed_experts is not None and len(model["moe"].packed_experts[0]) == 4
     assert not hasattr(model["plain"], "packed_weight")
+
+
+@needs_onednn
+def test_pack_weights_leaves_small_weights_to_mkl():
+    model = nn.ModuleDict({"small": Linear(64, 64), "large": Linear(1024, PACK_MIN_BYTES // 4096)})
+    pack_weights(model)
+    assert model["small"].packed_weight is None and model["large"].packed_weight is not None

@@ -6,6 +6,7 @@ import transformers
 
 from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.layers import linear
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, eos_token_id=None, bos_token_id=0, pad_token_id=0)
@@ -48,6 +49,19 @@ def test_moe_greedy_matches_hf(moe_reference, scenario):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if "num_kv_blocks" in scenario:
         assert llm.engine.get_stats().num_preemptions_recompute > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_moe_greedy_matches_hf_on_packed_weights(moe_reference, monkeypatch):
+    """Every linear and every expert on oneDNN pre-packed weights (tiny weights are not packed by default)."""
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
+    path, _, prompts, expected = moe_reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    if torch.backends.mkldnn.is_available():
+        assert all(moe.packed_experts is not None for moe in llm.engine.runner.model.moe_layers)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm.engine)
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedmoe.layers.linear import can_pack, pack_weight
+from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
 from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
@@ -56,8 +56,8 @@ class FusedMoE(nn.Module):
 
     packed_experts: tuple[list[Tensor], list[Tensor]] | None = None
 
-    def pack(self):
-        if can_pack(self.w13[0]) and can_pack(self.w2[0]):
+    def pack(self, min_bytes: int = 0):
+        if can_pack(self.w13[0]) and can_pack(self.w2[0]) and nbytes(self.w2[0]) >= min_bytes:
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
 
     def router_logits(self, x: Tensor) -> Tensor:
