@@ -8,8 +8,9 @@ class TorchPagedAttention:
     """PyTorch paged attention (CPU and CUDA). A layer's cache is head-major, [2 * num_kv_heads, num_blocks,
     block_size, head_dim] (K heads then V heads): viewed as rows of one (head, block) each, a group's context
     is one row gather into the workspace, already [heads, seqs, context, head_dim]. New K/V are written into
-    their slots first. Decodes attend together in two batched matmuls; prefill chunks one sequence at a time,
-    so a chunk with no earlier context runs causal SDPA with no padding and no mask."""
+    their slots first. Decodes attend in the chunks the metadata planned (CPU: <= CHUNK_BYTES of context each),
+    two batched matmuls a chunk; prefill chunks one sequence at a time, so a chunk with no earlier context runs
+    causal SDPA with no padding and no mask."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
