@@ -46,28 +46,20 @@ def grouped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     return torch._grouped_mm(x_sorted, weight.transpose(1, 2), offs=offsets)
 
 
-def looped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
-    out = x_sorted.new_empty(x_sorted.shape[0], weight.shape[1])
+def looped_linear(x_sorted: Tensor, weights: Tensor | list[Tensor], counts: Tensor, linear=F.linear) -> Tensor:
+    """One `linear` per active expert over its contiguous slice; weights [E, out, in] or E pre-packed copies."""
+    out = x_sorted.new_empty(x_sorted.shape[0], weights[0].shape[0])
     ends = counts.cumsum(0).tolist()
     for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:
-            out[start:end] = F.linear(x_sorted[start:end], weight[expert])
-    return out
-
-
-def packed_looped_linear(x_sorted: Tensor, packed: list[Tensor], counts: Tensor) -> Tensor:
-    out = x_sorted.new_empty(x_sorted.shape[0], packed[0].shape[0])
-    ends = counts.cumsum(0).tolist()
-    for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        if end > start:
-            out[start:end] = packed_linear(x_sorted[start:end], packed[expert])
+            out[start:end] = linear(x_sorted[start:end], weights[expert])
     return out
 
 
 def expert_linear(x_sorted: Tensor, weight: Tensor | list[Tensor], counts: Tensor, bias: Tensor | None,
                   sorted_ids: Tensor, use_grouped_mm: bool) -> Tensor:
     if isinstance(weight, list):
-        out = packed_looped_linear(x_sorted, weight, counts)
+        out = looped_linear(x_sorted, weight, counts, packed_linear)
     else:
         out = (grouped_linear if use_grouped_mm else looped_linear)(x_sorted, weight, counts)
     return out if bias is None else out + bias[sorted_ids]
