@@ -1,3 +1,4 @@
+import logging
 import tempfile
 from dataclasses import dataclass
 
@@ -7,10 +8,13 @@ from pagedmoe.config import EngineConfig
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.linear import pack_weights
+from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.model_loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,9 +42,21 @@ class ModelRunner:
                                        self.num_blocks, self.num_host_blocks, config.block_size,
                                        config.torch_dtype, self.device, disk_dir)
         self.workspace = Workspace(config.torch_dtype, self.device)
+        self.decode_kernel = self._decode_kernel()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
+
+    def _decode_kernel(self) -> PagedDecodeKernel | None:
+        if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
+            return None
+        if self.config.torch_dtype not in ENTRY_POINTS:
+            return None
+        try:
+            return PagedDecodeKernel(self.config.torch_dtype)
+        except RuntimeError as error:
+            logger.warning("decode attention falls back to gather + matmuls: %s", error)
+            return None
 
     @property
     def block_bytes(self) -> int:
@@ -95,7 +111,7 @@ class ModelRunner:
         bs = self.config.block_size
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         meta = build_attention_metadata(query_lens, torch.tensor(ends), block_tables, slot_mapping,
-                                        self.kv_cache.device_cache, bs, self.workspace)
+                                        self.kv_cache.device_cache, bs, self.workspace, self.decode_kernel)
         return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta, ends)
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:

@@ -5,7 +5,7 @@ import torch
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.layers import linear
-from pagedmoe.layers.attention import metadata
+from pagedmoe.layers.attention import cpu_kernel, metadata
 
 NUM_NEW = 32
 SCENARIOS = {
@@ -55,11 +55,35 @@ def test_greedy_matches_hf_with_and_without_packed_weights(reference, monkeypatc
     assert_all_blocks_free(llm.engine)
 
 
-def test_greedy_matches_hf_one_sequence_per_decode_chunk(reference, monkeypatch):
-    """Decode chunks of one sequence each (CPU chunks by bytes), longest first: same tokens as HF."""
-    monkeypatch.setattr(metadata, "CHUNK_BYTES", 1)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_greedy_matches_hf_with_and_without_cpu_attention_kernel(reference, kernel):
+    path, prompts, expected = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_attention_kernel=kernel)
+    assert (llm.engine.runner.decode_kernel is not None) == kernel
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_all_blocks_free(llm.engine)
+
+
+def test_falls_back_to_gather_when_the_kernel_cannot_build(reference, monkeypatch, caplog):
+    def fail():
+        raise RuntimeError("cannot build the CPU attention kernel: no compiler")
+    monkeypatch.setattr(cpu_kernel, "load_library", fail)
     path, prompts, expected = reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    assert llm.engine.runner.decode_kernel is None and "falls back" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
+    assert_all_blocks_free(llm.engine)
+
+
+def test_greedy_matches_hf_one_sequence_per_decode_chunk(reference, monkeypatch):
+    """Without the CPU kernel, decode chunks of one sequence each (CPU chunks by bytes), longest first."""
+    monkeypatch.setattr(metadata, "CHUNK_BYTES", 1)
+    path, prompts, expected = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_attention_kernel=False)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 from pagedmoe.memory import empty_huge
 
 
@@ -42,7 +43,8 @@ class AttentionGroup:
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    decode_chunks: list[DecodeChunk]
+    seq_lens_tensor: torch.Tensor  # [B] the same, on the device
+    decode_chunks: list[DecodeChunk]  # empty when a decode kernel attends the group
 
     @property
     def is_decode(self) -> bool:
@@ -56,22 +58,25 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     block_size: int
     workspace: Workspace
+    decode_kernel: PagedDecodeKernel | None = None  # CPU: attends decode groups in place
     expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
 
 
 def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                              slot_mapping: torch.Tensor, kv_caches: torch.Tensor, block_size: int,
-                             workspace: Workspace) -> AttentionMetadata:
+                             workspace: Workspace, decode_kernel: PagedDecodeKernel | None = None
+                             ) -> AttentionMetadata:
     device = workspace.buffer.device
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
-    groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device)
+    groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
+                           plan_chunks=decode_kernel is None)
               for sel in (is_decode, ~is_decode) if sel.any()]
-    return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace)
+    return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace, decode_kernel)
 
 
 def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches,
-                 device) -> AttentionGroup:
+                 device, plan_chunks: bool) -> AttentionGroup:
     query_lens, seq_lens, query_start = query_lens[sel], seq_lens[sel], query_start[sel]
     rows = torch.arange(int(query_lens.max()))
     valid = rows[None, :] < query_lens[:, None]
@@ -84,10 +89,10 @@ def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_siz
     context_index = torch.arange(kv_caches.shape[1])[:, None, None] * kv_caches.shape[2] + tables[None]
     block_bytes = kv_caches[0, :, 0].numel() * kv_caches.element_size()
     chunks = _decode_chunks(token_index[:, 0], context_index, mask, seq_lens, block_size, block_bytes,
-                            device) if rows.numel() == 1 else []
+                            device) if rows.numel() == 1 and plan_chunks else []
     return AttentionGroup(token_index.to(device), valid.to(device), tables.to(device), mask.to(device),
                           context_index.to(device), query_start.tolist(), query_lens.tolist(), seq_lens.tolist(),
-                          chunks)
+                          seq_lens.to(device), chunks)
 
 
 def _decode_chunks(token_index, context_index, mask, seq_lens, block_size, block_bytes,

@@ -10,7 +10,8 @@ class TorchPagedAttention:
     is one row gather into the workspace, already [heads, seqs, context, head_dim]. New K/V are written into
     their slots first. Decodes attend in the chunks the metadata planned (CPU: <= CHUNK_BYTES of context each),
     two batched matmuls a chunk; prefill chunks one sequence at a time, so a chunk with no earlier context runs
-    causal SDPA with no padding and no mask."""
+    causal SDPA with no padding and no mask. With a decode kernel in the metadata (CPU), decodes read their blocks
+in place instead (cpu_kernel.py)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
@@ -24,7 +25,7 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for group in meta.groups:
             if group.is_decode:
-                self._attend_decodes(q, rows, group, meta.workspace, out)
+                self._attend_decodes(q, cache, rows, group, meta, out)
             else:
                 self._attend_prefill(q, rows, group, meta.workspace, out)
         return out
@@ -34,9 +35,13 @@ class TorchPagedAttention:
         context = gather_rows(rows, index, workspace.get((index.numel(), rows.shape[1])))
         return context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
 
-    def _attend_decodes(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor):
+    def _attend_decodes(self, q, cache, rows, group: AttentionGroup, meta: AttentionMetadata, out: torch.Tensor):
+        if meta.decode_kernel is not None:
+            index = group.token_index[:, 0]
+            out[index] = meta.decode_kernel(q[index], cache, group.block_tables, group.seq_lens_tensor, self.scale)
+            return
         for chunk in group.decode_chunks:
-            out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, workspace)
+            out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, meta.workspace)
 
     def _attend_decode(self, q, rows, chunk: DecodeChunk, workspace: Workspace) -> torch.Tensor:
         """One query per sequence: two batched matmuls with the query heads grouped per KV head

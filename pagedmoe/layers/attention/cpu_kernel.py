@@ -1,0 +1,102 @@
+"""The CPU decode-attention kernel (csrc/paged_decode.cpp): it reads each sequence's KV blocks in place
+instead of gathering them, so a decode step moves the context through memory once. Built with the system
+C++ compiler on first use (about a second) into a cache keyed by source, flags and CPU, and called through
+ctypes, which releases the GIL for the call."""
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_seqs", "max_blocks", "num_kv_heads", "group_size", "num_blocks", "block_size", "head_dim")]
+
+
+def kernel_cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedmoe"
+    return Path(os.environ.get("PAGEDMOE_CACHE_DIR", default)) / "kernels"
+
+
+def _cpu_identity() -> bytes:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    return "\n".join(sorted({line for line in lines if line.startswith(("flags", "model name"))})).encode()
+
+
+@functools.cache
+def load_library(compiler: str = "c++") -> ctypes.CDLL:
+    """Builds (once per source, flags and CPU) and loads the kernel library; RuntimeError if it cannot."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + _cpu_identity()).hexdigest()
+    path = kernel_cache_dir() / f"paged_decode-{key[:16]}.so"
+    if not path.exists():
+        _build(compiler, path)
+    return ctypes.CDLL(str(path))
+
+
+def _build(compiler: str, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+    except OSError as error:
+        os.remove(tmp)
+        raise RuntimeError(f"cannot build the CPU attention kernel: {error}") from error
+    if result.returncode != 0:
+        os.remove(tmp)
+        raise RuntimeError(f"cannot build the CPU attention kernel:\n{result.stderr}")
+    os.replace(tmp, path)
+
+
+class PagedDecodeKernel:
+    """out[s] = attention of q[s] ([num_heads, head_dim]) over the first seq_lens[s] positions of sequence
+    s's blocks in one layer's cache ([2 * num_kv_heads, num_blocks, block_size, head_dim])."""
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in ENTRY_POINTS:
+            raise ValueError(f"dtype: the CPU attention kernel supports {sorted(map(str, ENTRY_POINTS))}, "
+                             f"got {dtype}")
+        self.dtype, self.fn = dtype, getattr(load_library(), ENTRY_POINTS[dtype])
+        self.fn.restype = None
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = cache.shape[0] // 2
+        _check(q, cache, block_tables, seq_lens, self.dtype)
+        out = torch.empty_like(q)
+        shape = Shape(num_seqs, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
+                      cache.shape[1], cache.shape[2], head_dim)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, cache, block_tables, seq_lens, out))
+        self.fn(*pointers, shape, ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()))
+        return out
+
+
+def _check(q, cache, block_tables, seq_lens, dtype):
+    if q.dtype != dtype or cache.dtype != dtype:
+        raise ValueError(f"q and cache must be {dtype}, got {q.dtype} and {cache.dtype}")
+    if block_tables.dtype != torch.long or seq_lens.dtype != torch.long:
+        raise ValueError("block_tables and seq_lens must be int64")
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in (q, cache, block_tables, seq_lens)):
+        raise ValueError("the CPU attention kernel needs contiguous CPU tensors")
+    if cache.shape[0] % 2 or q.shape[1] % (cache.shape[0] // 2) or q.shape[2] != cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of shape {tuple(cache.shape)}")
+    if len(seq_lens) != q.shape[0] or block_tables.shape[0] != q.shape[0]:
+        raise ValueError("q, block_tables and seq_lens must have one row per sequence")
+    if q.shape[0] and not (0 < int(seq_lens.min()) and int(seq_lens.max()) <= block_tables.shape[1] * cache.shape[2]):
+        raise ValueError("seq_lens must be >= 1 and within the block tables")
+    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < cache.shape[1]:
+        raise ValueError(f"block_tables: block ids must be in [0, {cache.shape[1]})")

@@ -1,0 +1,91 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from pagedmoe.layers.attention import cpu_kernel
+from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
+
+
+def reference(q, cache, block_tables, seq_lens, scale):
+    """Gather each sequence's context and run SDPA on it, one sequence at a time."""
+    num_kv_heads, out = cache.shape[0] // 2, []
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        context = cache[:, block_tables[s]].flatten(1, 2)[:, :seq_len].float()
+        keys, values = context[:num_kv_heads], context[num_kv_heads:]
+        o = torch.nn.functional.scaled_dot_product_attention(q[s, :, None].float(), keys, values, scale=scale,
+                                                             enable_gqa=True)
+        out.append(o[:, 0])
+    return torch.stack(out)
+
+
+def make_problem(num_seqs, num_kv_heads, group_size, block_size, head_dim, max_len, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=g)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    num_blocks = num_seqs * max_blocks + 3
+    cache = torch.randn(2 * num_kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=g)[:num_seqs * max_blocks].view(num_seqs, max_blocks)
+    q = torch.randn(num_seqs, num_kv_heads * group_size, head_dim, generator=g).to(dtype)
+    return q, cache, block_tables.contiguous(), seq_lens
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_seqs=st.integers(1, 6), num_kv_heads=st.integers(1, 3), group_size=st.sampled_from([1, 2, 4]),
+       block_size=st.sampled_from([1, 4, 16]), head_dim=st.sampled_from([8, 64, 80]),
+       max_len=st.integers(1, 70), seed=st.integers(0, 1000))
+def test_matches_sdpa_over_gathered_context(num_seqs, num_kv_heads, group_size, block_size, head_dim, max_len,
+                                            seed):
+    q, cache, block_tables, seq_lens = make_problem(num_seqs, num_kv_heads, group_size, block_size, head_dim,
+                                                   max_len, torch.float32, seed)
+    out = PagedDecodeKernel(torch.float32)(q, cache, block_tables, seq_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, reference(q, cache, block_tables, seq_lens, head_dim ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_float32_reference():
+    q, cache, block_tables, seq_lens = make_problem(5, 2, 3, 16, 64, 300, torch.bfloat16, seed=1)
+    out = PagedDecodeKernel(torch.bfloat16)(q, cache, block_tables, seq_lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(q, cache, block_tables, seq_lens, 0.125), atol=1e-2, rtol=1e-2)
+
+
+def test_bad_inputs_raise_value_errors():
+    q, cache, block_tables, seq_lens = make_problem(2, 2, 2, 4, 8, 10, torch.float32, seed=2)
+    kernel = PagedDecodeKernel(torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        PagedDecodeKernel(torch.float16)
+    with pytest.raises(ValueError, match="must be torch.float32"):
+        kernel(q.bfloat16(), cache, block_tables, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernel(q, cache, block_tables, seq_lens + 100, 1.0)
+    with pytest.raises(ValueError, match="block ids"):
+        kernel(q, cache, block_tables + cache.shape[1], seq_lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(q.transpose(1, 2).contiguous().transpose(1, 2), cache, block_tables, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(q[:, :, :4].contiguous(), cache, block_tables, seq_lens, 1.0)
+
+
+def test_builds_once_into_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDMOE_CACHE_DIR", str(tmp_path))
+    cpu_kernel.load_library.cache_clear()
+    try:
+        cpu_kernel.load_library()
+        built = list((tmp_path / "kernels").glob("paged_decode-*.so"))
+        assert len(built) == 1
+        cpu_kernel.load_library.cache_clear()
+        cpu_kernel.load_library()
+        assert list((tmp_path / "kernels").glob("*")) == built
+    finally:
+        cpu_kernel.load_library.cache_clear()
+
+
+def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDMOE_CACHE_DIR", str(tmp_path))
+    cpu_kernel.load_library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="cannot build"):
+            cpu_kernel.load_library(compiler="/nonexistent/c++")
+        assert not list((tmp_path / "kernels").glob("*"))
+    finally:
+        cpu_kernel.load_library.cache_clear()
