@@ -1,6 +1,6 @@
-"""Routed expert computation: group assignments by expert, run the expert MLPs
-over contiguous slices (one grouped matmul, or a loop over active experts),
-then weight by the router and sum each token's top-k outputs."""
+"""Routed expert computation: each active expert runs its MLP over the tokens routed to it, either in
+a loop over experts (CPU, training) or as two grouped matmuls over the tokens sorted by expert; the outputs
+are weighted by the router and summed per token in float32."""
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,27 +41,10 @@ def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
     return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def grouped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+def grouped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor, bias: Tensor | None,
+                   sorted_ids: Tensor) -> Tensor:
     offsets = counts.cumsum(0).to(torch.int32)
-    return torch._grouped_mm(x_sorted, weight.transpose(1, 2), offs=offsets)
-
-
-def looped_linear(x_sorted: Tensor, weights: Tensor | list[Tensor], counts: Tensor, linear=F.linear) -> Tensor:
-    """One `linear` per active expert over its contiguous slice; weights [E, out, in] or E pre-packed copies."""
-    out = x_sorted.new_empty(x_sorted.shape[0], weights[0].shape[0])
-    ends = counts.cumsum(0).tolist()
-    for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        if end > start:
-            out[start:end] = linear(x_sorted[start:end], weights[expert])
-    return out
-
-
-def expert_linear(x_sorted: Tensor, weight: Tensor | list[Tensor], counts: Tensor, bias: Tensor | None,
-                  sorted_ids: Tensor, use_grouped_mm: bool) -> Tensor:
-    if isinstance(weight, list):
-        out = looped_linear(x_sorted, weight, counts, packed_linear)
-    else:
-        out = (grouped_linear if use_grouped_mm else looped_linear)(x_sorted, weight, counts)
+    out = torch._grouped_mm(x_sorted, weight.transpose(1, 2), offs=offsets)
     return out if bias is None else out + bias[sorted_ids]
 
 
@@ -71,19 +54,47 @@ def combine(out_sorted: Tensor, order: Tensor, topk_weights: Tensor) -> Tensor:
     return (out * topk_weights.float().unsqueeze(-1)).sum(dim=1)
 
 
+def grouped_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                    act, w13_bias: Tensor | None, w2_bias: Tensor | None) -> Tensor:
+    """All experts in two grouped matmuls over the token copies sorted by expert (CUDA, and CPU unpacked)."""
+    counts = expert_counts(topk_ids, w13.shape[0])
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    hidden = act(grouped_linear(x[order // topk_ids.shape[1]], w13, counts, w13_bias, sorted_ids))
+    out_sorted = grouped_linear(hidden, w2, counts, w2_bias, sorted_ids)
+    return combine(out_sorted, order, topk_weights)
+
+
+def bias_of(bias: Tensor | None, expert: int) -> Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tensor], topk_weights: Tensor,
+                   topk_ids: Tensor, act, w13_bias: Tensor | None, w2_bias: Tensor | None,
+                   linear=F.linear) -> Tensor:
+    """One pass per active expert: gather its tokens, run its MLP, add the weighted rows into a float32
+    output. Nothing of size tokens x top_k x width is materialised, so large batches stay in cache."""
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    token_ids, weights = order // topk_ids.shape[1], topk_weights.flatten()[order].float().unsqueeze(-1)
+    out = x.new_zeros(x.shape[0], w2[0].shape[0], dtype=torch.float32)
+    ends = expert_counts(topk_ids, len(w13)).cumsum(0).tolist()
+    for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:
+            rows = token_ids[start:end]
+            hidden = act(linear(x[rows], w13[expert], bias_of(w13_bias, expert)))
+            expert_out = linear(hidden, w2[expert], bias_of(w2_bias, expert)).float()
+            out.index_add_(0, rows, expert_out * weights[start:end])
+    return out
+
+
 def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                   activation: str = "silu", w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
                   use_grouped_mm: bool | None = None, packed: tuple[list, list] | None = None) -> Tensor:
     """packed: per-expert pre-packed (w13, w2) copies (FusedMoE.pack); used instead of w13 / w2 when given."""
-    if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_supported(x, w13, w2)
-    top_k = topk_ids.shape[1]
-    counts = expert_counts(topk_ids, w13.shape[0])
+    act = ACTIVATIONS[activation]
     if packed is not None:
-        w13, w2 = packed
-    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
-    x_sorted = x[order // top_k]
-    hidden = expert_linear(x_sorted, w13, counts, w13_bias, sorted_ids, use_grouped_mm)
-    hidden = ACTIVATIONS[activation](hidden)
-    out_sorted = expert_linear(hidden, w2, counts, w2_bias, sorted_ids, use_grouped_mm)
-    return combine(out_sorted, order, topk_weights).to(x.dtype)
+        out = looped_experts(x, *packed, topk_weights, topk_ids, act, w13_bias, w2_bias, packed_linear)
+    elif use_grouped_mm if use_grouped_mm is not None else grouped_mm_supported(x, w13, w2):
+        out = grouped_experts(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)
+    else:
+        out = looped_experts(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)
+    return out.to(x.dtype)
