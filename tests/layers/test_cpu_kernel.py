@@ -31,7 +31,7 @@ def make_problem(num_seqs, num_kv_heads, group_size, block_size, head_dim, max_l
 
 @settings(max_examples=25, deadline=None)
 @given(num_seqs=st.integers(1, 6), num_kv_heads=st.integers(1, 3), group_size=st.sampled_from([1, 2, 4]),
-       block_size=st.sampled_from([1, 4, 16]), head_dim=st.sampled_from([8, 64, 80]),
+       block_size=st.sampled_from([1, 4, 16]), head_dim=st.sampled_from([8, 64, 80, 128]),
        max_len=st.integers(1, 70), seed=st.integers(0, 1000))
 def test_matches_sdpa_over_gathered_context(num_seqs, num_kv_heads, group_size, block_size, head_dim, max_len,
                                             seed):

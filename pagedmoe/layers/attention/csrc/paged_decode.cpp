@@ -31,26 +31,43 @@ struct Shape {
     int64_t num_seqs, max_blocks, num_kv_heads, group_size, num_blocks, block_size, head_dim;
 };
 
-// Calls fn(row, t) for each context position t, row pointing at its head_dim values in that head's blocks.
+// Head sizes known at compile time let the compiler keep a head's accumulators in registers.
+template <int HEAD_DIM>
+int64_t head_dim_of(const Shape &s) { return HEAD_DIM ? HEAD_DIM : s.head_dim; }
+
+template <typename T>
+void prefetch_block(const T *head, const int64_t *table, int64_t block, const Shape &s) {
+    const char *start = reinterpret_cast<const char *>(head + table[block] * s.block_size * s.head_dim);
+    for (int64_t offset = 0; offset < int64_t(sizeof(T)) * s.block_size * s.head_dim; offset += 64)
+        __builtin_prefetch(start + offset);
+}
+
+// Calls fn(rows, start, n) for each block of the context: n positions from start, rows [n, head_dim].
+// Blocks are scattered, which the hardware prefetcher cannot follow: the next one is prefetched by hand.
 template <typename T, typename Fn>
-void for_each_position(const T *head, const int64_t *table, int64_t len, const Shape &s, Fn fn) {
-    for (int64_t start = 0; start < len; start += s.block_size) {
-        const T *block = head + table[start / s.block_size] * s.block_size * s.head_dim;
-        const int64_t end = std::min(len, start + s.block_size);
-        for (int64_t t = start; t < end; t++) fn(block + (t - start) * s.head_dim, t);
+void for_each_block(const T *head, const int64_t *table, int64_t len, const Shape &s, Fn fn) {
+    const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+    prefetch_block(head, table, 0, s);
+    for (int64_t block = 0; block < num_blocks; block++) {
+        if (block + 1 < num_blocks) prefetch_block(head, table, block + 1, s);
+        const int64_t start = block * s.block_size;
+        fn(head + table[block] * s.block_size * s.head_dim, start, std::min(len - start, s.block_size));
     }
 }
 
-template <typename T>
+template <int HEAD_DIM, typename T>
 void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
                float *scores) {
-    for_each_position(k_head, table, len, s, [&](const T *k, int64_t t) {
+    const int64_t dim = head_dim_of<HEAD_DIM>(s);
+    for_each_block(k_head, table, len, s, [&](const T *rows, int64_t start, int64_t n) {
         for (int64_t g = 0; g < s.group_size; g++) {
-            const float *qg = q + g * s.head_dim;
-            float dot = 0.0f;
+            const float *qg = q + g * dim;
+            for (int64_t t = 0; t < n; t++) {
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < s.head_dim; d++) dot += qg[d] * to_float(k[d]);
-            scores[g * len + t] = dot;
+                for (int64_t d = 0; d < dim; d++) dot += qg[d] * to_float(rows[t * dim + d]);
+                scores[g * len + start + t] = dot;
+            }
         }
     });
 }
@@ -70,21 +87,23 @@ void softmax_rows(float *scores, int64_t rows, int64_t len) {
     }
 }
 
-template <typename T>
+template <int HEAD_DIM, typename T>
 void weighted_values(const float *probs, const T *v_head, const int64_t *table, int64_t len, const Shape &s,
                      float *acc) {
-    std::memset(acc, 0, sizeof(float) * s.group_size * s.head_dim);
-    for_each_position(v_head, table, len, s, [&](const T *v, int64_t t) {
+    const int64_t dim = head_dim_of<HEAD_DIM>(s);
+    std::memset(acc, 0, sizeof(float) * s.group_size * dim);
+    for_each_block(v_head, table, len, s, [&](const T *rows, int64_t start, int64_t n) {
         for (int64_t g = 0; g < s.group_size; g++) {
-            const float p = probs[g * len + t];
-            float *ag = acc + g * s.head_dim;
+            const float *p = probs + g * len + start;
+            float *ag = acc + g * dim;
+            for (int64_t t = 0; t < n; t++)
 #pragma omp simd
-            for (int64_t d = 0; d < s.head_dim; d++) ag[d] += p * to_float(v[d]);
+                for (int64_t d = 0; d < dim; d++) ag[d] += p[t] * to_float(rows[t * dim + d]);
         }
     });
 }
 
-template <typename T>
+template <int HEAD_DIM, typename T>
 void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
                   const Shape &s, float scale, int num_threads) {
     const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, width = s.group_size * s.head_dim;
@@ -95,10 +114,20 @@ void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const
         std::vector<float> buffer(2 * width + s.group_size * len);
         float *qf = buffer.data(), *acc = qf + width, *scores = acc + width;
         for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
-        scores_of(qf, cache + kv_head * head_stride, table, len, s, scores);
+        scores_of<HEAD_DIM>(qf, cache + kv_head * head_stride, table, len, s, scores);
         softmax_rows(scores, s.group_size, len);
-        weighted_values(scores, cache + (s.num_kv_heads + kv_head) * head_stride, table, len, s, acc);
+        weighted_values<HEAD_DIM>(scores, cache + (s.num_kv_heads + kv_head) * head_stride, table, len, s, acc);
         for (int64_t i = 0; i < width; i++) store(out[item * width + i], acc[i]);
+    }
+}
+
+template <typename T>
+void paged_decode_any(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
+                      const Shape &s, float scale, int num_threads) {
+    switch (s.head_dim) {
+        case 64: return paged_decode<64>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
+        case 128: return paged_decode<128>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
+        default: return paged_decode<0>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
     }
 }
 
@@ -107,7 +136,7 @@ void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const
 #define EXPORT(NAME, T)                                                                                   \
     extern "C" void NAME(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, \
                          T *out, Shape shape, float scale, int num_threads) {                              \
-        paged_decode(q, cache, block_tables, seq_lens, out, shape, scale, num_threads);                    \
+        paged_decode_any(q, cache, block_tables, seq_lens, out, shape, scale, num_threads);                \
     }
 EXPORT(paged_decode_f32, float)
 EXPORT(paged_decode_bf16, BF16)
