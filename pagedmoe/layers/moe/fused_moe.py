@@ -64,6 +64,10 @@ def grouped_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, to
     return combine(out_sorted, order, topk_weights)
 
 
+def scale_rows(x: Tensor, weights: Tensor) -> Tensor:
+    return x * weights if torch.is_grad_enabled() else x.mul_(weights)
+
+
 def bias_of(bias: Tensor | None, expert: int) -> Tensor | None:
     return None if bias is None else bias[expert]
 
@@ -80,9 +84,9 @@ def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tens
     for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:
             rows = token_ids[start:end]
-            hidden = act(linear(x[rows], w13[expert], bias_of(w13_bias, expert)))
+            hidden = act(linear(x.index_select(0, rows), w13[expert], bias_of(w13_bias, expert)))
             expert_out = linear(hidden, w2[expert], bias_of(w2_bias, expert)).float()
-            out.index_add_(0, rows, expert_out * weights[start:end])
+            out.index_add_(0, rows, scale_rows(expert_out, weights[start:end]))
     return out
 
 
