@@ -75,19 +75,20 @@ def bias_of(bias: Tensor | None, expert: int) -> Tensor | None:
 def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tensor], topk_weights: Tensor,
                    topk_ids: Tensor, act, w13_bias: Tensor | None, w2_bias: Tensor | None,
                    linear=F.linear) -> Tensor:
-    """One pass per active expert: gather its tokens, run its MLP, add the weighted rows into a float32
-    output. Nothing of size tokens x top_k x width is materialised, so large batches stay in cache."""
+    """One MLP call per active expert over its contiguous slice of the token copies sorted by expert, then
+    one router-weighted index_add_ of all rows into a float32 output."""
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
-    token_ids, weights = order // topk_ids.shape[1], topk_weights.flatten()[order].float().unsqueeze(-1)
-    out = x.new_zeros(x.shape[0], w2[0].shape[0], dtype=torch.float32)
+    token_ids = order // topk_ids.shape[1]
+    x_sorted = x.index_select(0, token_ids)
+    out_sorted = x.new_empty(x_sorted.shape[0], w2[0].shape[0])
     ends = expert_counts(topk_ids, len(w13)).cumsum(0).tolist()
     for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:
-            rows = token_ids[start:end]
-            hidden = act(linear(x.index_select(0, rows), w13[expert], bias_of(w13_bias, expert)))
-            expert_out = linear(hidden, w2[expert], bias_of(w2_bias, expert)).float()
-            out.index_add_(0, rows, scale_rows(expert_out, weights[start:end]))
-    return out
+            hidden = act(linear(x_sorted[start:end], w13[expert], bias_of(w13_bias, expert)))
+            out_sorted[start:end] = linear(hidden, w2[expert], bias_of(w2_bias, expert))
+    weights = topk_weights.flatten()[order].float().unsqueeze(-1)
+    out = x.new_zeros(x.shape[0], out_sorted.shape[1], dtype=torch.float32)
+    return out.index_add_(0, token_ids, scale_rows(out_sorted.float(), weights))
 
 
 def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
