@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     cpu_attention_kernel: bool = True  # CPU: decode attention reads KV blocks in place (C++, built on first use)
+    keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""Large CPU buffers backed by transparent huge pages.
+"""Large CPU buffers backed by transparent huge pages, and glibc kept from unmapping freed memory.
 
 The paged KV cache is read as thousands of scattered 4 KB runs per layer and step; on 4 KB pages nearly
 every run is a TLB miss, and the gather ran at a third of the copy bandwidth. Linux with THP in `madvise`
@@ -12,6 +12,8 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_FREED_BYTES = 1 << 30
 
 
 def _madvise_hugepage(address: int, length: int) -> bool:
@@ -35,3 +37,17 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     return empty_huge(shape, dtype, device).zero_()
+
+
+def keep_freed_memory(threshold: int = KEEP_FREED_BYTES) -> bool:
+    """glibc serves allocations over its mmap threshold (adaptive, at most 32 MB) with fresh mappings and
+    unmaps them on free, so every large activation of every forward is page-faulted in again. Raising the
+    mmap and trim thresholds keeps such blocks in the heap for reuse; process-wide, as LD_PRELOADing tcmalloc
+    would be. False where glibc's mallopt is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, threshold) == 1
+    except (OSError, AttributeError):
+        return False

@@ -3,7 +3,9 @@ import sys
 import pytest
 import torch
 
-from pagedmoe.memory import HUGE_PAGE, empty_huge, zeros_huge
+import resource
+
+from pagedmoe.memory import HUGE_PAGE, empty_huge, keep_freed_memory, zeros_huge
 
 
 def test_small_tensors_are_plain():
@@ -21,3 +23,17 @@ def test_large_tensors_are_huge_page_aligned_and_usable(dtype):
         assert t.data_ptr() % HUGE_PAGE == 0
     t[1, 2, 3] = 5
     assert t.sum().item() == 5
+
+
+def page_faults_of_a_fresh_64mb_tensor() -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.ones(16 << 20)
+    del t
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_kept_freed_memory_is_reused_without_page_faults():
+    assert keep_freed_memory()
+    first = page_faults_of_a_fresh_64mb_tensor()
+    assert page_faults_of_a_fresh_64mb_tensor() < max(first, 16384) // 10

@@ -7,10 +7,11 @@ import torch
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
-from pagedmoe.layers.linear import pack_weights
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
+from pagedmoe.layers.linear import pack_weights
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedmoe.memory import keep_freed_memory
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.model_loader import load_model
 
@@ -31,6 +32,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.config, self.device = config, torch.device(config.device)
+        if config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(config)
         if config.prepack_weights:
             pack_weights(self.model)
