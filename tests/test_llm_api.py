@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from conftest import assert_all_blocks_free, hf_greedy, save_random_model, tiny_dense_config
@@ -80,12 +81,15 @@ def test_cli_generate(text_model, capsys):
     assert "ROMEO:" in capsys.readouterr().out
 
 
-def test_bfloat16_decode_logprobs_track_float32_reference(tmp_path):
-    """bf16 path (packed bf16 weights, 16-bit KV gathers, chunked decode attention) against HF in float32."""
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", True), ("bfloat16", False), ("float16", True)])
+def test_16_bit_decode_logprobs_track_float32_reference(tmp_path, dtype, kernel):
+    """16-bit paths against HF in float32: bf16 through the CPU decode kernel or the PyTorch path (packed
+    bf16 weights, 16-bit KV gathers, chunked decode attention); float16, which the kernel leaves to PyTorch."""
     model = save_random_model(tiny_dense_config("qwen3"), tmp_path)
     prompts = [[5 + i, 6, 7, 8, 9 + i] * (2 + i) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True)
+    llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, cpu_attention_kernel=kernel)
+    assert (llm.engine.runner.decode_kernel is not None) == (dtype == "bfloat16" and kernel)
     for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
