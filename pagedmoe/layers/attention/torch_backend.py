@@ -10,8 +10,8 @@ class TorchPagedAttention:
     is one row gather into the workspace, already [heads, seqs, context, head_dim]. New K/V are written into
     their slots first. Decodes attend in the chunks the metadata planned (CPU: <= CHUNK_BYTES of context each),
     two batched matmuls a chunk; prefill chunks one sequence at a time, so a chunk with no earlier context runs
-    causal SDPA with no padding and no mask. With a decode kernel in the metadata (CPU), decodes read their blocks
-in place instead (cpu_kernel.py)."""
+    causal SDPA with no padding and no mask. With a decode kernel in the metadata (CPU), decodes read their
+    blocks in place instead (cpu_kernel.py)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
