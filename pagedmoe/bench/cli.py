@@ -18,8 +18,8 @@ def _load_llm(args, needs_tokenizer: bool):
 def _throughput(args):
     from pagedmoe.bench.baselines import run_baseline
     from pagedmoe.bench.report import roofline_lines, throughput_table, write_json
-    from pagedmoe.bench.roofline import matmul_peak
-    from pagedmoe.bench.throughput import pagedmoe_throughput
+    from pagedmoe.bench.roofline import matmul_peak, read_bandwidth
+    from pagedmoe.bench.throughput import decode_bandwidth, pagedmoe_throughput
     from pagedmoe.bench.workload import build_workload
     if "llama.cpp" in args.baseline:
         from pagedmoe.bench.llamacpp import check_llama_cpp
@@ -28,10 +28,13 @@ def _throughput(args):
     config = llm.engine.config
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
     peak = matmul_peak(config.torch_dtype, config.device, args.peak_matmul_size, args.peak_repeats)
+    peak |= {"read": read_bandwidth(config.device, repeats=args.peak_repeats)}
     results = _header("throughput", args, workload, counts) | {"pagedmoe": pagedmoe_throughput(llm, workload, counts)}
     for name in args.baseline:
         results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
     _add_rooflines(results, ["pagedmoe", *args.baseline], counts.workload_flops(workload), peak)
+    results["roofline"]["decode_bandwidth"] = decode_bandwidth(
+        results["pagedmoe"]["steps"], counts, config.torch_dtype.itemsize, peak["read"]["peak_bytes_s"])
     print(throughput_table(results, ["pagedmoe", *args.baseline]))
     print(roofline_lines(results["roofline"]))
     write_json(results, args.output_json)

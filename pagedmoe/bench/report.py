@@ -41,7 +41,16 @@ def roofline_lines(roof: dict) -> str:
     for name in ("run", "decode"):
         if roof.get(name):
             lines.append(_roofline_line(name, roof[name]))
+    if roof.get("decode_bandwidth"):
+        lines.append(_bandwidth_line(roof["decode_bandwidth"], peak["read"]))
     return "\n".join(lines)
+
+
+def _bandwidth_line(b: dict, read: dict) -> str:
+    return (f"  decode memory: read {b['bytes'] / 1e9:.1f} GB (weights {b['weight_bytes'] / 1e9:.1f}, KV "
+            f"{b['kv_bytes'] / 1e9:.1f}) in {b['elapsed_s']:.3f} s = {b['achieved_bytes_s'] / 1e9:.1f} GB/s, "
+            f"{b['bandwidth_pct']:.1f}% of the {read['peak_bytes_s'] / 1e9:.1f} GB/s read bandwidth measured "
+            f"({read['bytes'] >> 20} MiB float32 sum, best of {read['repeats']})")
 
 
 def _roofline_line(name: str, r: dict) -> str:

@@ -18,7 +18,13 @@ never fed), at positions 0..N-1, and samples O times:
     FLOPs = 2 * M * N + 2 * L * H * (d_qk + d_v) * N * (N + 1) / 2 + 2 * V * D * O
 
 Prefix-cache hits and recompute preemption change what the engine actually runs, not these model FLOPs.
+
+Bytes of a decode step (the memory side of its roofline): every weight the step touches is read once,
+(dense + LM head + E_active x one expert) x weight bytes, with E_active the distinct experts the step routed
+to, summed over MoE layers; and every decoding sequence reads its whole KV context, context x KV values per
+token (all layers) x KV bytes. Activations and the new KV writes are not counted.
 """
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,6 +45,8 @@ class ModelFlops:
     num_heads: int
     qk_dim: int
     v_dim: int
+    expert_params: int = 0  # one routed expert's weights (w13 + w2) in one MoE layer
+    kv_values_per_token: int = 0  # cached K/V values of one token over all layers
 
     @property
     def matmul_params(self) -> int:
@@ -62,6 +70,14 @@ class ModelFlops:
     def workload_flops(self, workload: list[BenchRequest]) -> int:
         return sum(self.request_flops(len(r.prompt_token_ids), r.output_len) for r in workload)
 
+    def decode_bytes(self, num_steps: int, active_experts: int, context_tokens: int, element_size: int) -> dict:
+        """Bytes read by num_steps decode steps that routed to active_experts experts (summed over layers and
+        steps) and attended over context_tokens positions (summed over sequences and steps)."""
+        weights = ((self.dense_params + self.lm_head_params) * num_steps
+                   + self.expert_params * active_experts) * element_size
+        kv = self.kv_values_per_token * context_tokens * element_size
+        return {"weight_bytes": weights, "kv_bytes": kv, "bytes": weights + kv}
+
 
 def model_flops(model: nn.Module, hf_config) -> ModelFlops:
     """Counts the weights of a pagedmoe model (a meta-device model is enough) by the rules above."""
@@ -73,8 +89,11 @@ def model_flops(model: nn.Module, hf_config) -> ModelFlops:
     active = sum(m.router.top_k * (m.w13[0].numel() + m.w2[0].numel()) for m in experts)
     total = sum(m.w13.numel() + m.w2.numel() for m in experts)
     qk_dim, v_dim = attention_dims(hf_config)
+    expert = experts[0].w13[0].numel() + experts[0].w2[0].numel() if experts else 0
+    num_kv_tensors, token_shape = model.kv_cache_token_shape()
+    kv_values = hf_config.num_hidden_layers * num_kv_tensors * math.prod(token_shape)
     return ModelFlops(dense, active, total, model.lm_head.weight.numel(), hf_config.num_hidden_layers,
-                      hf_config.num_attention_heads, qk_dim, v_dim)
+                      hf_config.num_attention_heads, qk_dim, v_dim, expert, kv_values)
 
 
 def attention_dims(hf_config) -> tuple[int, int]:
@@ -106,6 +125,27 @@ def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 1024, repea
     return {"size": size, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "threads": torch.get_num_threads(), "repeats": repeats, "best_s": best,
             "peak_flop_s": 2 * size ** 3 / best}
+
+
+def read_bandwidth(device: str = "cpu", nbytes: int = 1 << 28, repeats: int = 5) -> dict:
+    """Best-of-`repeats` bytes/s of one full read (a float32 sum) of an nbytes tensor, at the current threads."""
+    device = torch.device(device)
+    x = torch.ones(nbytes // 4, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        x.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return {"bytes": x.numel() * 4, "device": str(device), "threads": torch.get_num_threads(), "repeats": repeats,
+            "best_s": best, "peak_bytes_s": x.numel() * 4 / best}
+
+
+def bandwidth(moved: dict, elapsed_s: float, peak_bytes_s: float) -> dict:
+    return moved | {"elapsed_s": elapsed_s, "achieved_bytes_s": moved["bytes"] / elapsed_s,
+                    "bandwidth_pct": 100 * moved["bytes"] / elapsed_s / peak_bytes_s}
 
 
 def roofline(flops: float, elapsed_s: float, output_tokens: int, peak_flop_s: float) -> dict:

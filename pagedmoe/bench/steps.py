@@ -22,6 +22,8 @@ class StepRecord:
     num_decode_tokens: int  # one token per decoding sequence
     num_sampled: int  # sequences that sampled a token
     flops: int  # model FLOPs of the step (roofline.ModelFlops rules)
+    context_tokens: int  # KV positions the decoding sequences attended over
+    active_experts: int  # distinct experts routed to, summed over MoE layers
 
     @property
     def is_decode(self) -> bool:
@@ -34,16 +36,17 @@ class StepRecord:
 
 def classify(sched, counts: ModelFlops | None) -> dict:
     """Splits a SchedulerOutput (read before execute, so num_computed_tokens is the chunk start)."""
-    prefill = decode = sampled = flops = 0
+    prefill = decode = sampled = flops = context = 0
     for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
         start = seq.num_computed_tokens
         is_decode = num_new == 1 and start >= seq.num_prompt_tokens and start == len(seq) - 1
         decode, prefill = decode + is_decode, prefill + (0 if is_decode else num_new)
+        context += (start + 1) * is_decode
         samples = start + num_new == len(seq)
         sampled += samples
         flops += counts.chunk_flops(start, num_new, samples) if counts else 0
     return {"num_seqs": len(sched.seqs), "num_tokens": prefill + decode, "num_prefill_tokens": prefill,
-            "num_decode_tokens": decode, "num_sampled": sampled, "flops": flops}
+            "num_decode_tokens": decode, "num_sampled": sampled, "flops": flops, "context_tokens": context}
 
 
 class _TimedModel:
@@ -84,6 +87,7 @@ class _TimedRunner:
         start = time.perf_counter()
         out = self._runner.execute(sched)
         synchronize(self._runner.device)
+        info["active_experts"] = 0 if out.expert_load is None else int((out.expert_load > 0).sum())
         self._recorder.pending = (time.perf_counter() - start, self._recorder.forward_s, info)
         return out
 

@@ -1,7 +1,7 @@
 import time
 
 from pagedmoe.bench.baselines import figures
-from pagedmoe.bench.roofline import ModelFlops, roofline
+from pagedmoe.bench.roofline import ModelFlops, bandwidth, roofline
 from pagedmoe.bench.steps import StepRecorder, overhead_pct, time_stats
 from pagedmoe.bench.workload import BenchRequest
 from pagedmoe.llm import LLM
@@ -28,6 +28,8 @@ def step_summary(records) -> dict:
             "overhead_pct": overhead_pct(records), **time_stats([r.step_s for r in records], "step_"),
             **time_stats([r.step_s for r in decode], "decode_step_"),
             "decode_tokens": sum(r.num_decode_tokens for r in decode),
+            "decode_context_tokens": sum(r.context_tokens for r in decode),
+            "decode_active_experts": sum(r.active_experts for r in decode),
             "decode_flops": sum(r.flops for r in decode), "step_flops": sum(r.flops for r in records)}
 
 
@@ -36,3 +38,12 @@ def decode_roofline(steps: dict, peak_flop_s: float) -> dict | None:
     if not steps["num_decode_steps"]:
         return None
     return roofline(steps["decode_flops"], steps["decode_step_total_s"], steps["decode_tokens"], peak_flop_s)
+
+
+def decode_bandwidth(steps: dict, counts: ModelFlops, element_size: int, peak_bytes_s: float) -> dict | None:
+    """Bytes the decode-only steps had to read (ModelFlops.decode_bytes) against the measured read bandwidth."""
+    if not steps["num_decode_steps"]:
+        return None
+    moved = counts.decode_bytes(steps["num_decode_steps"], steps["decode_active_experts"],
+                                steps["decode_context_tokens"], element_size)
+    return bandwidth(moved, steps["decode_step_total_s"], peak_bytes_s)

@@ -1,6 +1,9 @@
 import json
 
 import pytest
+import transformers
+
+from conftest import save_random_model
 
 from pagedmoe import LLM
 from pagedmoe.bench.latency import split_prefill
@@ -50,7 +53,7 @@ def test_step_flops_sum_to_the_workload_flops(dense_model):
 
 
 def record(prefill: int, decode: int) -> StepRecord:
-    return StepRecord(1.0, 0.5, 0.4, 1, prefill + decode, prefill, decode, 1, 0)
+    return StepRecord(1.0, 0.5, 0.4, 1, prefill + decode, prefill, decode, 1, 0, 0, 0)
 
 
 def test_split_prefill_takes_steps_up_to_the_last_prefill():
@@ -58,3 +61,19 @@ def test_split_prefill_takes_steps_up_to_the_last_prefill():
     prefill, decode = split_prefill(steps)
     assert prefill == steps[:3] and decode == steps[3:]
     assert split_prefill([record(0, 1)]) == ([], [record(0, 1)])
+
+
+def test_decode_steps_record_context_and_distinct_experts(tmp_path):
+    config = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    save_random_model(config, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, skip_tokenizer_init=True)
+    counts = model_flops(llm.engine.runner.model, llm.engine.config.hf_config)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with StepRecorder(llm.engine, counts) as recorder:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    decode = [r for r in recorder.records if r.is_decode]
+    assert [r.context_tokens for r in decode] == [3 + 5 + 2 * i for i in range(1, 4)]  # positions 0..start
+    assert all(4 <= r.active_experts <= 8 for r in decode)  # per layer: 2 tokens x top-2 hit 2 to 4 experts

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from conftest import VOCAB, tiny_dense_config
-from pagedmoe.bench.roofline import matmul_peak, model_flops, roofline
+from pagedmoe.bench.roofline import bandwidth, matmul_peak, model_flops, read_bandwidth, roofline
 from pagedmoe.models.registry import resolve_model_class
 
 H, HEADS, KV_HEADS = 64, 4, 2  # conftest's tiny configs: hidden 64, 4 query heads, 2 KV heads
@@ -73,3 +73,21 @@ def test_roofline_arithmetic_and_peak_figures():
     peak = matmul_peak(torch.float32, "cpu", size=64, repeats=2)
     assert peak["size"] == 64 and peak["dtype"] == "float32" and peak["threads"] == torch.get_num_threads()
     assert math.isclose(peak["peak_flop_s"], 2 * 64 ** 3 / peak["best_s"])
+
+
+def test_decode_bytes_count_weights_touched_and_kv_read():
+    config = qwen2_moe_config()
+    counts = model_flops(pagedmoe_model(config), config)
+    assert counts.expert_params == 3 * H * 48
+    assert counts.kv_values_per_token == 3 * 2 * KV_HEADS * 16  # layers x (K, V) x KV heads x head_dim
+    moved = counts.decode_bytes(num_steps=2, active_experts=10, context_tokens=100, element_size=2)
+    weights = ((counts.dense_params + counts.lm_head_params) * 2 + counts.expert_params * 10) * 2
+    assert moved == {"weight_bytes": weights, "kv_bytes": 100 * counts.kv_values_per_token * 2,
+                     "bytes": weights + 100 * counts.kv_values_per_token * 2}
+
+
+def test_bandwidth_arithmetic_and_read_peak():
+    b = bandwidth({"bytes": 6e9, "weight_bytes": 5e9, "kv_bytes": 1e9}, elapsed_s=2.0, peak_bytes_s=6e9)
+    assert b["achieved_bytes_s"] == 3e9 and b["bandwidth_pct"] == 50.0 and b["weight_bytes"] == 5e9
+    read = read_bandwidth("cpu", nbytes=1 << 20, repeats=2)
+    assert read["bytes"] == 1 << 20 and math.isclose(read["peak_bytes_s"], read["bytes"] / read["best_s"])

@@ -50,6 +50,11 @@ def test_throughput_roofline_and_decode_steps(dense_model, tmp_path):
     assert 0 < roof["run"]["roofline_pct"] == pytest.approx(results["pagedmoe"]["roofline_pct"])
     assert steps["num_decode_steps"] > 0 and roof["decode"]["flops"] == steps["decode_flops"] > 0
     assert 0 < steps["decode_tokens"] <= results["workload"]["output_tokens"] - 5  # the first token is a prefill's
+    memory = roof["decode_bandwidth"]
+    assert steps["decode_active_experts"] == 0 and steps["decode_context_tokens"] > steps["decode_tokens"]
+    assert memory["kv_bytes"] == steps["decode_context_tokens"] * results["model_flops"]["kv_values_per_token"] * 4
+    assert memory["bytes"] / memory["elapsed_s"] == pytest.approx(memory["achieved_bytes_s"])
+    assert 0 < memory["bandwidth_pct"] and roof["peak"]["read"]["peak_bytes_s"] > 0
 
 
 def test_figures_count_useful_tokens_and_reject_short_outputs():
