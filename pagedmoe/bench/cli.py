@@ -28,7 +28,7 @@ def _throughput(args):
     config = llm.engine.config
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
     peak = matmul_peak(config.torch_dtype, config.device, args.peak_matmul_size, args.peak_repeats)
-    peak |= {"read": read_bandwidth(config.device, repeats=args.peak_repeats)}
+    peak |= {"read": read_bandwidth(config.device, args.peak_read_mib << 20, args.peak_repeats)}
     results = _header("throughput", args, workload, counts) | {"pagedmoe": pagedmoe_throughput(llm, workload, counts)}
     for name in args.baseline:
         results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
@@ -132,6 +132,8 @@ def _add_throughput(sub):
     tp.add_argument("--gguf", default=None, help="llama.cpp: an existing GGUF of the model (else converted)")
     tp.add_argument("--peak-matmul-size", type=int, default=1024, help="N of the N^3 matmul that measures the peak")
     tp.add_argument("--peak-repeats", type=int, default=5)
+    tp.add_argument("--peak-read-mib", type=int, default=256, help="size of the tensor whose sum measures the "
+                    "read bandwidth (a GPU wants several GiB)")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
     tp.set_defaults(func=_throughput)
