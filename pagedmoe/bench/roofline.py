@@ -109,19 +109,25 @@ def synchronize(device: torch.device | str):
         torch.cuda.synchronize(device)
 
 
+def best_time(fn, device: torch.device, repeats: int) -> float:
+    """Shortest of `repeats` timed calls of fn after one warm-up call (first-call allocation, kernel choice)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 1024, repeats: int = 5) -> dict:
     """Best-of-`repeats` FLOP/s of one size^3 matmul in `dtype` on `device`, at the current torch threads."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=g).to(device, dtype) for _ in range(2))
-    torch.mm(a, b)  # warm-up: first-call allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
+    best = best_time(lambda: torch.mm(a, b), device, repeats)
     return {"size": size, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "threads": torch.get_num_threads(), "repeats": repeats, "best_s": best,
             "peak_flop_s": 2 * size ** 3 / best}
@@ -131,14 +137,7 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 1 << 28, repeats: int = 5)
     """Best-of-`repeats` bytes/s of one full read (a float32 sum) of an nbytes tensor, at the current threads."""
     device = torch.device(device)
     x = torch.ones(nbytes // 4, device=device)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        x.sum()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
+    best = best_time(x.sum, device, repeats)
     return {"bytes": x.numel() * 4, "device": str(device), "threads": torch.get_num_threads(), "repeats": repeats,
             "best_s": best, "peak_bytes_s": x.numel() * 4 / best}
 

@@ -77,7 +77,7 @@ def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tens
                    linear=F.linear) -> Tensor:
     """One MLP call per active expert over its contiguous slice of the token copies sorted by expert, then
     one router-weighted index_add_ of all rows into a float32 output."""
-    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    order = torch.argsort(topk_ids.flatten(), stable=True)
     token_ids = order // topk_ids.shape[1]
     x_sorted = x.index_select(0, token_ids)
     out_sorted = x.new_empty(x_sorted.shape[0], w2[0].shape[0])
