@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: the vocab size), as vLLM
+    num_threads: int | None = None  # CPU threads for the model (default: physical cores, see worker/cpu_threads.py)
+    adaptive_threads: bool = True  # CPU: use fewer threads while other processes hold cores
     prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     cpu_attention_kernel: bool = True  # CPU: decode attention reads KV blocks in place (C++, built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)

@@ -14,28 +14,37 @@ produces it. Outputs are copied before they cross threads, because the engine ke
 metrics and logprob lists. Readers of statistics (metrics, dashboard) get an immutable snapshot that
 the thread republishes every `snapshot_interval` seconds; they never touch the engine.
 
-Failure: if the thread dies, it marks the client dead under the same lock that guards submission,
-then fails every open request and every queued command, so no awaiting handler can hang and no
-later submission is lost in the queue.
+Failure: a request's own failure (the engine isolates it and finishes it with an error output, or
+add_request raises something other than ValueError) reaches only its stream, as RequestFailedError.
+If the thread dies, it logs the traceback, marks the client dead under the same lock that guards
+submission, fails every open request and every queued command, so no awaiting handler can hang and
+no later submission is lost in the queue, and then calls `on_death` (the server exits on it).
 """
 import asyncio
 import copy
 import dataclasses
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
+from pagedmoe.engine.isolation import describe, is_fatal
 from pagedmoe.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from pagedmoe.outputs import RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3
 ACCEPTED = object()
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine; the engine and the other requests go on."""
 
 
 class QueueFullError(RuntimeError):
@@ -90,6 +99,8 @@ class RequestStream:
             self.finished = True
             raise item
         self.finished = item.finished
+        if item.error is not None:
+            raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
         return item
 
     def close(self):
@@ -100,8 +111,10 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 512, snapshot_interval: float = 0.05):
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 512, snapshot_interval: float = 0.05,
+                 on_death=None):
         self.engine = engine  # owned by the engine thread once start() ran
+        self.on_death = on_death  # called (from the engine thread) with the error once the engine died
         self.max_waiting_requests, self.snapshot_interval = max_waiting_requests, snapshot_interval
         self.tokenizer = _frontend_tokenizer(engine)
         self.max_model_len = engine.config.max_model_len
@@ -198,8 +211,12 @@ class AsyncLLMEngine:
             command.stream.put(e)
             return
         except BaseException as e:
-            command.stream.put(EngineDeadError(f"engine failed adding the request: {e!r}"))
-            raise
+            if is_fatal(e):
+                command.stream.put(EngineDeadError(f"engine failed adding the request: {e!r}"))
+                raise
+            logger.error("request %s failed on admission: %s", command.request_id, describe(e), exc_info=e)
+            command.stream.put(RequestFailedError(f"request {command.request_id} failed: {describe(e)}"))
+            return
         self._streams[command.request_id] = command.stream
         command.stream.put(ACCEPTED)
 
@@ -215,6 +232,8 @@ class AsyncLLMEngine:
             self.snapshot = take_snapshot(self.engine)
 
     def _die(self, error: BaseException):
+        if not self._stopping.is_set():
+            logger.critical("engine died: %s", describe(error), exc_info=error)
         with self._lock:
             self._error = error
         for stream in self._streams.values():
@@ -224,6 +243,8 @@ class AsyncLLMEngine:
             command = self._commands.get_nowait()
             if isinstance(command, _Add):
                 command.stream.put(EngineDeadError(f"engine stopped: {error!r}"))
+        if self.on_death is not None and not self._stopping.is_set():
+            self.on_death(error)
 
 
 def _detach(output: RequestOutput) -> RequestOutput:

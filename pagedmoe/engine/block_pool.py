@@ -74,5 +74,12 @@ class BlockPool:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
 
+    def uncache(self, block_id: int):
+        """Forgets a block's hash without offloading it: its KV was never written (its step failed)."""
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block_id] = None
+
     def num_cached_free_blocks(self) -> int:
         return sum(1 for b in self.free_blocks if self.block_hashes[b] is not None)

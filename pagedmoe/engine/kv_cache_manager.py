@@ -187,6 +187,14 @@ class KVCacheManager:
             self.host_pool.free(block_id)
         seq.block_table, seq.host_block_table, seq.num_cached_blocks = [], [], 0
 
+    def discard(self, seq: Sequence):
+        """Frees a failed sequence. Its blocks past the committed tokens may hold unwritten KV, so those
+        leave the prefix cache unless another sequence shares them."""
+        for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            if not self.pool.is_shared(block_id):
+                self.pool.uncache(block_id)
+        self.free(seq)
+
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= self.host_pool.num_free_blocks
 

@@ -1,5 +1,6 @@
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, fields
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from pagedmoe.beam_search import BeamCandidate, BeamSearchParams, beam_score, select_beams
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.detokenizer import Detokenizer
+from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence
@@ -18,6 +20,7 @@ from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 PromptType = str | list[int] | dict
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class LLMEngine:
         if beam:
             params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=beam.ignore_eos,
                                     logprobs=2 * beam.beam_width)
+        self._check_params(params, beam)
         text, token_ids = self._tokenize(prompt)
         params = self._check_lengths(token_ids, params)
         request = Request(request_id, text, token_ids, params, arrival_time, cache_salt)
@@ -120,12 +124,31 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         return token_ids
 
+    def _check_params(self, params: SamplingParams, beam: BeamSearchParams | None):
+        """What only the engine knows: the vocab, max_logprobs, max_num_seqs."""
+        vocab, cfg = self.config.hf_config.vocab_size, self.config
+        max_logprobs = vocab if cfg.max_logprobs < 0 else min(cfg.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if beam is None and value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be <= {max_logprobs} (max_logprobs), got {value}")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        num_samples = beam.beam_width if beam else params.num_samples
+        limit = min(cfg.max_num_seqs, vocab // 2) if beam else cfg.max_num_seqs
+        if num_samples > limit:
+            name = "beam_width" if beam else "best_of" if params.best_of else "n"
+            raise ValueError(f"{name} must be <= {limit} (max_num_seqs), got {num_samples}")
+
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, max_model_len is {max_len}: "
                              "it leaves no room for output")
-        if params.max_tokens is None or len(token_ids) + params.max_tokens > max_len:
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"max_tokens: the prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"is more than max_model_len ({max_len})")
+        if params.max_tokens is None:
             params = _replace(params, max_tokens=max_len - len(token_ids))
         num_tokens = len(token_ids) + max(params.max_tokens, self._num_reserved_outputs(params))
         num_blocks = -(-min(num_tokens, max_len) // self.config.block_size)
@@ -157,8 +180,39 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        out = self.runner.execute(sched)
+        self.runner.apply_transfers(sched)
+        try:
+            out = self.runner.execute(sched)
+        except Exception as error:
+            if is_fatal(error):
+                raise
+            return self._step_each_request(sched, error)
         return self._postprocess(sched, out)
+
+    def _step_each_request(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A failed step runs again one request at a time: a request that fails alone gets an error output,
+        the others go on. When every request fails alone, no request explains the error: it is raised."""
+        parts, failed, outputs = split_by_request(sched), {}, []
+        if len(parts) == 1:
+            failed[parts[0][0].request_id] = (parts[0][0], error)
+        for request, part in parts if len(parts) > 1 else []:
+            with failures_into(failed, request):
+                outputs += self._postprocess(part, self.runner.execute(part))
+        if len(parts) > 1 and len(failed) == len(parts):
+            raise EngineStepError(f"every request of the step failed alone; first: {describe(error)}") from error
+        self._fail(failed)
+        return outputs + [self._make_output(request, time.time()) for request, _ in failed.values()]
+
+    def _fail(self, failed: dict):
+        """Finishes the failed requests with finish_reason "error"; their blocks are freed and those not
+        written leave the prefix cache."""
+        for request, error in failed.values():
+            logger.error("request %s failed: %s", request.request_id, describe(error), exc_info=error)
+            request.error = describe(error)
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq, failed=True)
 
     def _postprocess(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -185,24 +239,29 @@ class LLMEngine:
                                              self.tokenizer))
 
     def _append_samples(self, out: ModelRunnerOutput, now: float) -> list[Request]:
-        sampled = out.sampled
-        token_ids = sampled.token_ids.tolist()
-        row, touched = 0, {}
+        """Each sequence's rows; an error in one request's part fails that request alone."""
+        sampled, token_ids = out.sampled, out.sampled.token_ids.tolist()
+        row, touched, failed = 0, {}, {}
         for seq, num_samples in zip(out.sample_seqs, out.num_samples):
-            if seq.request.beam is not None:
-                seq.beam_candidates = _beam_candidates(seq, sampled, row)
-                row += 1
-            else:
-                for s in [seq] + self._fork(seq, num_samples):
-                    self._append_token(s, token_ids[row], sampled, row)
-                    row += 1
+            with failures_into(failed, seq.request):
+                self._append_rows(seq, num_samples, sampled, token_ids, row)
+            row += 1 if seq.request.beam is not None else num_samples
             touched[seq.request.request_id] = seq.request
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
             seq.request.metrics.last_token_time = now
         for request in touched.values():
-            if request.beam is not None:
-                self._step_beams(request)
+            with failures_into(failed, request):
+                if request.beam is not None and request.request_id not in failed:
+                    self._step_beams(request)
+        self._fail(failed)
         return list(touched.values())
+
+    def _append_rows(self, seq: Sequence, num_samples: int, sampled, token_ids: list[int], row: int):
+        if seq.request.beam is not None:
+            seq.beam_candidates = _beam_candidates(seq, sampled, row)
+            return
+        for offset, s in enumerate([seq] + self._fork(seq, num_samples)):
+            self._append_token(s, token_ids[row + offset], sampled, row + offset)
 
     def _step_beams(self, request: Request):
         live = [s for s in request.seqs if not s.is_finished]
@@ -309,7 +368,7 @@ class LLMEngine:
                    for i, s in enumerate(_ranked_seqs(request, finished))]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished, request.metrics,
-                             request.num_cached_tokens or 0)
+                             request.num_cached_tokens or 0, request.error)
 
     def get_stats(self) -> EngineStats:
         pool, sched = self.kv.pool, self.scheduler

@@ -127,9 +127,9 @@ class Scheduler:
             self.kv.fork(parent, child)
             queue.insert(index + offset, child)
 
-    def finish(self, seq: Sequence):
+    def finish(self, seq: Sequence, failed: bool = False):
         self._remove(seq)
-        self.kv.free(seq)
+        (self.kv.discard if failed else self.kv.free)(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _queue_of(self, seq: Sequence):

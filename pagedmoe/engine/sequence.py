@@ -31,6 +31,7 @@ class Request:
         self.seqs: list[Sequence] = []
         self.beam = None  # BeamSearchParams for a beam-search request
         self.finished_beams: list[Sequence] = []
+        self.error: str | None = None  # why the request failed (its outputs end with finish_reason "error")
 
     @property
     def is_finished(self) -> bool:

@@ -78,9 +78,12 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block of {self.block_bytes} bytes")
         return num_blocks, num_host
 
+    def apply_transfers(self, sched: SchedulerOutput):
+        """The step's block copies (swap, offload, copy-on-write, prefix loads), once, before its forward."""
+        self.kv_cache.apply(sched.transfers)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.kv_cache.apply(sched.transfers)
         input_ids, positions, meta, ends = self._prepare_inputs(sched)
         if self.expert_load_shape:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
