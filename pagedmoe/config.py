@@ -57,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"kv_allocation must be 'paged' or 'static', got {self.kv_allocation!r}")
         if self.kv_allocation == "static":
             self.enable_prefix_caching = False
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -29,7 +29,11 @@ def _throughput(args):
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
     peak = matmul_peak(config.torch_dtype, config.device, args.peak_matmul_size, args.peak_repeats)
     peak |= {"read": read_bandwidth(config.device, args.peak_read_mib << 20, args.peak_repeats)}
+    if args.background_load:
+        pagedmoe_throughput(llm, workload[:4])  # warm-up, so that the quiet run is not the colder one
     results = _header("throughput", args, workload, counts) | {"pagedmoe": pagedmoe_throughput(llm, workload, counts)}
+    if args.background_load:
+        results |= _loaded_run(llm, workload, counts, args.background_load, results["pagedmoe"])
     for name in args.baseline:
         results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
     _add_rooflines(results, ["pagedmoe", *args.baseline], counts.workload_flops(workload), peak)
@@ -37,8 +41,20 @@ def _throughput(args):
         results["pagedmoe"]["steps"], counts, config.torch_dtype.itemsize, peak["read"]["peak_bytes_s"])
     print(throughput_table(results, ["pagedmoe", *args.baseline]))
     print(roofline_lines(results["roofline"]))
+    if args.background_load:
+        from pagedmoe.bench.background import loaded_line
+        print(loaded_line(results["background_load"]))
     write_json(results, args.output_json)
     return results
+
+
+def _loaded_run(llm, workload, counts, num_procs: int, quiet: dict) -> dict:
+    """The same workload again with num_procs busy processes beside the engine."""
+    from pagedmoe.bench.background import background_load, loaded_summary
+    from pagedmoe.bench.throughput import pagedmoe_throughput
+    with background_load(num_procs):
+        loaded = pagedmoe_throughput(llm, workload, counts)
+    return {"pagedmoe-loaded": loaded, "background_load": loaded_summary(quiet, loaded, num_procs)}
 
 
 def _header(command: str, args, workload, counts) -> dict:
@@ -134,6 +150,9 @@ def _add_throughput(sub):
     tp.add_argument("--peak-repeats", type=int, default=5)
     tp.add_argument("--peak-read-mib", type=int, default=256, help="size of the tensor whose sum measures the "
                     "read bandwidth (a GPU wants several GiB)")
+    tp.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="run the workload again with N busy-looping processes beside the engine (started and "
+                         "stopped by the bench) and report loaded / quiet throughput")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
     tp.set_defaults(func=_throughput)

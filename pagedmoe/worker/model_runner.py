@@ -12,6 +12,7 @@ from pagedmoe.layers.attention.metadata import Workspace, build_attention_metada
 from pagedmoe.layers.linear import pack_weights
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
+from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.model_loader import load_model
 
@@ -34,6 +35,9 @@ class ModelRunner:
         self.config, self.device = config, torch.device(config.device)
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
+        self.threads = None
+        if self.device.type == "cpu":
+            self.threads = ThreadGovernor(config.num_threads or default_num_threads(), config.adaptive_threads)
         self.model = load_model(config)
         if config.prepack_weights:
             pack_weights(self.model)
@@ -84,6 +88,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.update()
         input_ids, positions, meta, ends = self._prepare_inputs(sched)
         if self.expert_load_shape:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)

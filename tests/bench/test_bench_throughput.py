@@ -119,3 +119,33 @@ def test_bfloat16_against_pagedmoe_float32_in_one_invocation(dense_model, tmp_pa
     assert fp32["roofline_pct"] == pytest.approx(fp32["float32_roofline"]["roofline_pct"])
     assert fp32["roofline_pct"] > 0
     assert results["ratio_vs_pagedmoe-float32"] == ours["output_tok_s"] / fp32["output_tok_s"]
+
+
+def test_background_load_runs_the_workload_again_beside_busy_processes(dense_model, tmp_path, monkeypatch):
+    from pagedmoe.bench import background
+    started = []
+    real = background.background_load
+
+    def recording(num_procs, max_seconds=1800):
+        started.append(num_procs)
+        return real(num_procs, max_seconds=30)
+    monkeypatch.setattr(background, "background_load", recording)
+    out = tmp_path / "bench.json"
+    cli_main(throughput_args(dense_model[0], out, "--background-load", "1"))
+    results = json.loads(out.read_text())
+    load = results["background_load"]
+    assert started == [1] and load["num_procs"] == 1
+    assert results["pagedmoe-loaded"]["output_tokens"] == results["pagedmoe"]["output_tokens"] > 0
+    assert load["ratio"] == pytest.approx(load["loaded_output_tok_s"] / load["quiet_output_tok_s"])
+
+
+def test_background_processes_run_until_stopped_and_end_by_themselves():
+    import time
+
+    from pagedmoe.bench.background import background_load
+    with background_load(2) as procs:
+        time.sleep(0.3)
+        assert all(p.poll() is None for p in procs)
+    assert all(p.returncode is not None for p in procs)
+    with background_load(1, max_seconds=0.2) as procs:
+        assert procs[0].wait(20) == 0  # its own deadline ends it

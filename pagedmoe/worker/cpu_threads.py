@@ -1,0 +1,100 @@
+"""CPU threads for the model that survive a busy neighbour.
+
+Every op of a step is split across the threads and waits for the slowest. With a busy process beside the
+engine, one thread shares its core and the scheduler runs it in time slices of milliseconds, so every
+50-microsecond op waits a slice: 2-thread decode on 2 cores was 20-60x slower next to one busy process,
+while a single thread ran at about half speed. The governor measures, every `interval` seconds, how many
+of this process's allowed cores other processes (or the hypervisor: steal time) used, and runs the model
+on the cores left, never more than `max_threads`: a neighbour then costs about the cores it takes.
+Linux only (/proc); elsewhere the thread count stays at `max_threads`.
+"""
+import os
+import time
+from pathlib import Path
+
+import torch
+
+BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat cpu columns: user nice system irq softirq steal
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def allowed_cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def num_physical_cores() -> int:
+    """Cores this process may run on, counting hyperthread siblings once."""
+    cpus, cores = allowed_cpus(), set()
+    for cpu in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(len(cores), 1)
+
+
+def default_num_threads(serving: bool = False) -> int:
+    """Physical cores; a server on more than 2 cores leaves one to its HTTP loop and tokenizer."""
+    cores = num_physical_cores()
+    return cores - 1 if serving and cores > 2 else cores
+
+
+def busy_ticks(cpus: set[int]) -> int | None:
+    """Clock ticks the given CPUs spent busy (any process, plus steal) since boot; None off Linux."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            total += sum(int(values[i]) for i in BUSY_FIELDS if i < len(values))
+    return total
+
+
+def own_ticks() -> int | None:
+    """Clock ticks this process (all its threads) ran, user + system."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+class ThreadGovernor:
+    """Call `update()` once per step: every `interval` seconds it sets torch's thread count to the cores
+    that other processes left free in the last interval (at least 1, at most max_threads)."""
+
+    def __init__(self, max_threads: int, adaptive: bool = True, interval: float = 0.5):
+        self.max_threads, self.interval = max_threads, interval
+        self.cpus = allowed_cpus()
+        self.num_threads = max_threads
+        torch.set_num_threads(max_threads)
+        self.adaptive = adaptive and busy_ticks(self.cpus) is not None and own_ticks() is not None
+        self._last = self._sample() if self.adaptive else None
+
+    def _sample(self) -> tuple[float, int, int]:
+        return time.monotonic(), busy_ticks(self.cpus), own_ticks()
+
+    def neighbour_cores(self, last: tuple[float, int, int], now: tuple[float, int, int]) -> float:
+        seconds = now[0] - last[0]
+        other_ticks = (now[1] - last[1]) - (now[2] - last[2])
+        return max(other_ticks, 0) / CLOCK_TICKS / seconds
+
+    def threads_for(self, neighbour_cores: float) -> int:
+        """Cores left, rounded up from three quarters of a core: a neighbour at 0.2 cores keeps every
+        thread, one at 0.5 takes one away."""
+        free = len(self.cpus) - neighbour_cores
+        return max(1, min(self.max_threads, int(free + 0.25)))
+
+    def update(self):
+        if not self.adaptive or time.monotonic() - self._last[0] < self.interval:
+            return
+        now = self._sample()
+        threads = self.threads_for(self.neighbour_cores(self._last, now))
+        self._last = now
+        if threads != self.num_threads:
+            torch.set_num_threads(threads)
+            self.num_threads = threads
