@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedmoe.cpu_info import cpu_compute_dtype
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -69,4 +71,7 @@ class EngineConfig:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         dtype = getattr(self.hf_config, "dtype", None) or torch.float32
-        return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if torch.device(self.device).type != "cpu":
+            return dtype
+        return cpu_compute_dtype(dtype)  # float32 for a 16-bit checkpoint where the CPU has no native bf16

@@ -2,15 +2,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+from pagedmoe.cpu_info import can_prepack_bf16
+
 PACK_MIN_BYTES = 1 << 20  # smaller weights stay in a core's L2, where MKL's per-call packing is cheap and
 #                           oneDNN's call overhead (~11 us more at one row) is not
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN pre-packing applies to CPU float32 / bfloat16 matrices when torch was built with it."""
-    return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+    """oneDNN pre-packing applies to CPU float32 matrices when torch was built with it, and to bfloat16 ones
+    where oneDNN has a bf16 path on this CPU (AVX-512 or AVX-NE-CONVERT): elsewhere it refuses them."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and can_prepack_bf16())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
+import platform
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from pagedmoe import cpu_info
 from pagedmoe.layers.attention import cpu_kernel
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 
@@ -87,5 +90,53 @@ def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="cannot build"):
             cpu_kernel.load_library(compiler="/nonexistent/c++")
         assert not list((tmp_path / "kernels").glob("*"))
+    finally:
+        cpu_kernel.load_library.cache_clear()
+
+
+# what each x86-64 level adds that its code may use (Linux /proc/cpuinfo names; abm is LZCNT)
+X86_64_LEVELS = {"x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
+                 "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+
+
+def missing_for(target: str) -> str | None:
+    """Why this CPU cannot run code built for target, or None; from the real flags, never the override."""
+    if not cpu_info.is_x86():
+        return f"{target} is an x86-64 target; this CPU is {platform.machine()}"
+    levels = list(X86_64_LEVELS)[:list(X86_64_LEVELS).index(target) + 1]
+    missing = [f for level in levels for f in X86_64_LEVELS[level] if f not in cpu_info.detected_cpu_flags()]
+    return f"{target} needs {missing[0]}" if missing else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", list(X86_64_LEVELS))
+def test_builds_for_avx2_and_avx512_targets_and_matches_sdpa(target, dtype):
+    """The kernel as an AVX2 (x86-64-v3) or AVX-512 (x86-64-v4) machine builds it with -march=native; bf16 is
+    converted in integer code, so neither needs bf16 instructions."""
+    if reason := missing_for(target):
+        pytest.skip(reason)
+    kernel = PagedDecodeKernel(dtype, cpu_kernel.load_library(march=target))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for seed, head_dim in enumerate((64, 80, 128)):  # the two specialized head sizes and the generic loop
+        q, cache, block_tables, seq_lens = make_problem(4, 2, 3, 16, head_dim, 90, dtype, seed)
+        out = kernel(q, cache, block_tables, seq_lens, head_dim ** -0.5)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), reference(q, cache, block_tables, seq_lens, head_dim ** -0.5),
+                                   **tol)
+
+
+def test_loading_the_kernel_keeps_denormals():
+    """Linked with -ffast-math, GCC < 13 adds crtfastmath.o: loading would flush denormals process-wide."""
+    cpu_kernel.load_library()
+    assert (torch.tensor([1e-39]) * 1.0).item() != 0.0
+
+
+def test_an_unusable_cache_dir_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("PAGEDMOE_CACHE_DIR", str(tmp_path / "file"))
+    cpu_kernel.load_library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="cannot build or load"):
+            cpu_kernel.load_library()
     finally:
         cpu_kernel.load_library.cache_clear()

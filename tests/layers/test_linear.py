@@ -3,16 +3,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedmoe import cpu_info
 from pagedmoe.layers import linear
 from pagedmoe.layers.linear import PACK_MIN_BYTES, Linear, MergedLinear, can_pack, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.routers import RouterConfig
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+AVX2_ONLY = "avx avx2 fma f16c bmi1 bmi2 abm movbe"  # an AMD EPYC before Zen 4: no oneDNN bf16 path
+ONEDNN_BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu_info.can_prepack_bf16(), reason="oneDNN bf16 pre-packing needs avx512bw, avx512vl and avx512dq "
+                                            "(or avx_ne_convert with avx_vnni_int8)"))
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, ONEDNN_BF16])
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 300])
 def test_packed_linear_matches_unpacked(dtype, num_rows):
     torch.manual_seed(0)
@@ -52,3 +57,27 @@ def test_pack_weights_leaves_small_weights_to_mkl():
     model = nn.ModuleDict({"small": Linear(64, 64), "large": Linear(1024, PACK_MIN_BYTES // 4096)})
     pack_weights(model)
     assert model["small"].packed_weight is None and model["large"].packed_weight is not None
+
+
+@needs_onednn
+def test_bf16_is_left_unpacked_where_onednn_has_no_bf16_path(monkeypatch):
+    """What an AVX2-only CPU runs (there _reorder_linear_weight refuses bf16): float32 still packs, bf16
+    linears and experts stay on F.linear and match it exactly."""
+    monkeypatch.setenv(cpu_info.FLAGS_ENV, AVX2_ONLY)
+    assert not cpu_info.can_prepack_bf16() and can_pack(torch.zeros(4, 4))
+    torch.manual_seed(0)
+    layer, moe = Linear(96, 80, bias=True), FusedMoE(4, 16, 8, RouterConfig(top_k=2))
+    nn.init.normal_(moe.w13, std=0.3), nn.init.normal_(moe.w2, std=0.3)
+    layer, moe = layer.bfloat16(), moe.bfloat16()
+    x, tokens = torch.randn(7, 96).bfloat16(), torch.randn(5, 16).bfloat16()
+    unpacked = layer(x), moe(tokens)
+    layer.pack()
+    moe.pack()
+    assert layer.packed_weight is None and moe.packed_experts is None
+    assert torch.equal(layer(x), unpacked[0]) and torch.equal(moe(tokens), unpacked[1])
+
+
+def test_forced_flags_never_grant_bf16_packing(monkeypatch):
+    monkeypatch.setenv(cpu_info.FLAGS_ENV, "avx2 avx512f avx512bw avx512vl avx512dq amx_bf16")
+    monkeypatch.setattr(cpu_info, "_torch_can_prepack_bf16", lambda: False)
+    assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))

@@ -1,7 +1,10 @@
 """The CPU decode-attention kernel (csrc/paged_decode.cpp): it reads each sequence's KV blocks in place
 instead of gathering them, so a decode step moves the context through memory once. Built with the system
 C++ compiler on first use (about a second) into a cache keyed by source, flags and CPU, and called through
-ctypes, which releases the GIL for the call."""
+ctypes, which releases the GIL for the call. It is plain C++ that the compiler vectorizes for the target
+(-march=native: AVX2, AVX-512, ...); bf16 is converted with integer bit operations, so it needs no bf16
+instructions. Where it cannot be built or loaded (no compiler, no OpenMP), RuntimeError: the model runner
+then warns and uses the PyTorch path."""
 import ctypes
 import functools
 import hashlib
@@ -14,7 +17,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+# -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
+# denormals-are-zero for the whole process when the library loads
+LINK_FLAGS = ["-shared", "-fopenmp"]
 ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -36,40 +42,52 @@ def _cpu_identity() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(("flags", "model name"))})).encode()
 
 
+def compile_flags(march: str) -> list[str]:
+    return [*COMPILE_FLAGS, f"-march={march}"]
+
+
 @functools.cache
-def load_library(compiler: str = "c++") -> ctypes.CDLL:
-    """Builds (once per source, flags and CPU) and loads the kernel library; RuntimeError if it cannot."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + _cpu_identity()).hexdigest()
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
+    """Builds (once per source, flags and CPU) and loads the kernel library; RuntimeError if it cannot.
+    march: the compiler's target, e.g. x86-64-v3 (AVX2) to check another machine's build here."""
+    flags = [*compile_flags(march), *LINK_FLAGS]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_identity()).hexdigest()
     path = kernel_cache_dir() / f"paged_decode-{key[:16]}.so"
-    if not path.exists():
-        _build(compiler, path)
-    return ctypes.CDLL(str(path))
-
-
-def _build(compiler: str, path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
     try:
-        result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if not path.exists():
+            _build(compiler, march, path)
+        return ctypes.CDLL(str(path))
+    except OSError as error:  # an unwritable cache directory, a library that does not load
+        raise RuntimeError(f"cannot build or load the CPU attention kernel: {error}") from error
+
+
+def _build(compiler: str, march: str, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        obj, library = Path(tmp, "paged_decode.o"), Path(tmp, "paged_decode.so")
+        _run([compiler, *compile_flags(march), "-c", str(SOURCE), "-o", str(obj)])
+        _run([compiler, *LINK_FLAGS, str(obj), "-o", str(library)])
+        os.replace(library, path)
+
+
+def _run(command: list[str]):
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
     except OSError as error:
-        os.remove(tmp)
         raise RuntimeError(f"cannot build the CPU attention kernel: {error}") from error
     if result.returncode != 0:
-        os.remove(tmp)
         raise RuntimeError(f"cannot build the CPU attention kernel:\n{result.stderr}")
-    os.replace(tmp, path)
 
 
 class PagedDecodeKernel:
     """out[s] = attention of q[s] ([num_heads, head_dim]) over the first seq_lens[s] positions of sequence
     s's blocks in one layer's cache ([2 * num_kv_heads, num_blocks, block_size, head_dim])."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, library: ctypes.CDLL | None = None):
         if dtype not in ENTRY_POINTS:
             raise ValueError(f"dtype: the CPU attention kernel supports {sorted(map(str, ENTRY_POINTS))}, "
                              f"got {dtype}")
-        self.dtype, self.fn = dtype, getattr(load_library(), ENTRY_POINTS[dtype])
+        self.dtype, self.fn = dtype, getattr(library if library is not None else load_library(), ENTRY_POINTS[dtype])
         self.fn.restype = None
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
