@@ -8,7 +8,7 @@ from pagedmoe.engine.llm_engine import LLMEngine
 from pagedmoe.train.config import TrainConfig
 from pagedmoe.train.tokenizer import build_tokenizer
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare_excerpt.txt"  # see tests/data/README.md
 
 VOCAB = 320
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
@@ -96,7 +96,7 @@ def assert_all_blocks_free(engine: LLMEngine):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    return build_tokenizer(str(CORPUS), tmp_path_factory.mktemp("tok"), vocab_size=512, fraction=0.2)
+    return build_tokenizer(str(CORPUS), tmp_path_factory.mktemp("tok"), vocab_size=512)
 
 
 @pytest.fixture
@@ -105,6 +105,7 @@ def tiny_config(tmp_path, tokenizer_dir):
         base = TrainConfig(
             out_dir=str(tmp_path / "run"),
             tokenizer_dir=str(tokenizer_dir),
+            corpus=str(CORPUS),
             hidden_size=32,
             num_layers=2,
             num_heads=2,
@@ -120,7 +121,7 @@ def tiny_config(tmp_path, tokenizer_dir):
             eval_interval=1000,
             eval_batches=2,
             checkpoint_interval=1000,
-            corpus_fraction=0.05,
+            corpus_fraction=1.0,
             threads=1,
         )
         return base.replace(**changes)

@@ -84,6 +84,11 @@ def add_export_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedmoe.train.data import CorpusNotFoundError
+
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except CorpusNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
     return 0

@@ -8,13 +8,24 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_FRACTION = 0.9
 
 
+class CorpusNotFoundError(FileNotFoundError):
+    pass
+
+
 def resolve_corpus(path: str | Path) -> Path:
     path = Path(path).expanduser()
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise FileNotFoundError(f"corpus not found; tried {[str(c) for c in candidates]}")
+    raise CorpusNotFoundError(missing_corpus_message(candidates))
+
+
+def missing_corpus_message(candidates: list[Path]) -> str:
+    tried = "\n".join(f"  {candidate}" for candidate in candidates)
+    return (f"corpus not found; tried:\n{tried}\n"
+            "Pass --corpus PATH (to `python -m pagedmoe.train tokenizer`, `train` or `compare`) "
+            "to use another UTF-8 text file.")
 
 
 def read_splits(path: str | Path, fraction: float = 1.0) -> tuple[str, str]:

@@ -61,9 +61,9 @@ def test_bfloat16_export_halves_the_weights(tiny_config, tmp_path):
 
 
 def config_flags(cfg) -> list[str]:
-    names = ["out_dir", "tokenizer_dir", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
-             "moe_intermediate_size", "dense_intermediate_size", "seq_len", "batch_size", "max_steps", "eval_batches",
-             "corpus_fraction", "threads"]
+    names = ["out_dir", "tokenizer_dir", "corpus", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "num_experts", "moe_intermediate_size", "dense_intermediate_size", "seq_len", "batch_size", "max_steps",
+             "eval_batches", "corpus_fraction", "threads"]
     return [item for name in names for item in ("--" + name.replace("_", "-"), str(getattr(cfg, name)))]
 
 
