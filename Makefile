@@ -18,7 +18,7 @@ chromium:
 	bash scripts/install_chromium.sh
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

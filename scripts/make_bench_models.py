@@ -6,7 +6,8 @@ writes OUT_DIR/qwen3-100m: a ~100M-parameter dense Qwen3-shaped model (hidden 76
 4 KV heads, head_dim 64, intermediate 2048, vocab 32000, tied embeddings), and OUT_DIR/qwen3-moe-100m-active:
 the same shape with each MLP replaced by 8 experts of intermediate 1024, top-2 (active expert parameters per
 token equal to the dense MLP's; ~280M total parameters, ~100M active). Each gets a word-level tokenizer, one token
-per id, so a server can stream text.
+per id, so a server can stream text. OUT_DIR/qwen3-100m-bf16 holds the dense model's weights in bfloat16 (a
+bf16 checkpoint, for what `--dtype auto` picks on each CPU).
 """
 import os
 import sys
@@ -38,10 +39,10 @@ def save_tokenizer(vocab_size: int, path: str):
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
 
 
-def save(config, path: str, seed: int = 0):
+def save(config, path: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     save_tokenizer(config.vocab_size, path)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{path}: {num_params / 1e6:.1f}M parameters")
@@ -51,3 +52,4 @@ if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/bench-models"
     save(qwen3_100m_config(), os.path.join(out, "qwen3-100m"))
     save(qwen3_moe_config(), os.path.join(out, "qwen3-moe-100m-active"))
+    save(qwen3_100m_config(), os.path.join(out, "qwen3-100m-bf16"), dtype=torch.bfloat16)

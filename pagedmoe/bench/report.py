@@ -6,10 +6,12 @@ import platform
 import torch
 import transformers
 
+from pagedmoe.cpu_info import describe_cpu
+
 
 def env() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "cpu": describe_cpu(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -24,7 +26,8 @@ def args_json(args) -> dict:
 
 
 def throughput_table(results: dict, engines: list[str]) -> str:
-    lines = [f"{'engine':<14}{'output tok/s':>13}{'total tok/s':>12}{'req/s':>8}{'elapsed s':>10}"
+    lines = [f"machine: {results['env']['cpu']}, {results['env']['threads']} threads",
+             f"{'engine':<14}{'output tok/s':>13}{'total tok/s':>12}{'req/s':>8}{'elapsed s':>10}"
              f"{'roofline %':>11}{'pagedmoe x':>11}"]
     for name in engines:
         row, ratio = results[name], results.get(f"ratio_vs_{name}", 1.0)

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedmoe.train.config import TrainConfig
+from pagedmoe.train.data import resolve_corpus
 from pagedmoe.train.export import load_trained
 from pagedmoe.train.model import parameter_counts
 from pagedmoe.train.trainer import CONFIG, read_metrics
@@ -36,7 +37,7 @@ A tiny model trained from scratch by `pagedmoe.train` on CPU: {purpose}.
 
 ## Data
 
-- tiny shakespeare (`../shared/data/tinyshakespeare.txt`, 1,115,394 bytes): first 90% train, last 10% validation
+- {corpus}: first 90% train, last 10% validation
 - tokenizer: byte-level BPE, vocab {vocab}, trained with HF `tokenizers` on the training split;
   `<|endoftext|>` is bos and eos; the chat template renders each message as `ROLE:\\ncontent\\n\\n` (play format)
 
@@ -105,6 +106,12 @@ def training_lines(cfg: TrainConfig, steps: int, wall_s: float) -> list[str]:
     ]
 
 
+def corpus_line(cfg: TrainConfig) -> str:
+    path = resolve_corpus(cfg.corpus)
+    fraction = "" if cfg.corpus_fraction == 1.0 else f", the first {cfg.corpus_fraction:.0%} of it"
+    return f"`{cfg.corpus}` ({path.stat().st_size:,} bytes{fraction})"
+
+
 def card_fields(run_dir: Path, hf_config: dict) -> dict:
     cfg = TrainConfig.load(run_dir / CONFIG)
     metrics = read_metrics(run_dir)
@@ -113,7 +120,7 @@ def card_fields(run_dir: Path, hf_config: dict) -> dict:
     best = min(evals, key=lambda m: m["val_loss"])
     counts = parameter_counts(load_trained(run_dir)[0], cfg)
     return dict(
-        purpose=PURPOSE[cfg.arch], vocab=hf_config["vocab_size"], config="\n".join(config_lines(cfg, hf_config)),
+        purpose=PURPOSE[cfg.arch], corpus=corpus_line(cfg), vocab=hf_config["vocab_size"], config="\n".join(config_lines(cfg, hf_config)),
         total=counts["total"], active=counts["active"], best_loss=best["val_loss"], best_ppl=math.exp(best["val_loss"]),
         best_step=best["step"], final_step=evals[-1]["step"], final_loss=evals[-1]["val_loss"],
         training="\n".join(training_lines(cfg, len(steps), steps[-1]["elapsed_s"])),
