@@ -8,7 +8,7 @@ import transformers
 from playwright.sync_api import sync_playwright
 
 from conftest import VOCAB, save_random_model, save_tokenizer
-from server_utils import HEADERS, MODEL, serve, server, wait_all_blocks_free  # noqa: F401  (fixture)
+from server_utils import API_KEY, HEADERS, MODEL, serve, server, wait_all_blocks_free  # noqa: F401  (fixture)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -70,7 +70,7 @@ def test_dashboard_shows_the_live_block_map(server, browser, tmp_path):
     streams = BackgroundStreams(server.url, 8)
     try:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(f"{server.url}/dashboard")
+        page.goto(f"{server.url}/dashboard?api_key={API_KEY}")
         page.wait_for_function("Number(document.getElementById('blocks').dataset.painted) > 40"
                                " && Number(document.getElementById('n-shared').textContent) > 0"
                                " && document.getElementById('tps').textContent !== '–'", timeout=20000)
@@ -93,7 +93,7 @@ def test_moe_server_exports_expert_load_and_draws_the_heatmap(moe_server, browse
     client = moe_server.openai()
     for prompt in ("ROMEO: But soft", "JULIET: O Romeo, Romeo, wherefore art thou Romeo?"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
-    metrics = httpx.get(f"{moe_server.url}/metrics").text
+    metrics = httpx.get(f"{moe_server.url}/metrics", headers=HEADERS).text
     routed = [(int(dict(re.findall(r'(\w+)="([^"]*)"', labels))["layer"]), float(value))
               for labels, value in re.findall(r"^pagedmoe:expert_tokens_total\{(.*)\} (\S+)$", metrics, re.M)]
     assert len(routed) == 3 * 8
@@ -101,7 +101,7 @@ def test_moe_server_exports_expert_load_and_draws_the_heatmap(moe_server, browse
         total = sum(value for l, value in routed if l == layer)
         assert total > 0 and total % TOP_K == 0, "every token goes to exactly top_k experts"
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(f"{moe_server.url}/dashboard")
+    page.goto(f"{moe_server.url}/dashboard?api_key={API_KEY}")
     page.wait_for_selector("#experts", state="visible", timeout=10000)
     assert not page.is_visible("#experts-empty")
     painted = page.evaluate("""() => { const c = document.getElementById('experts');

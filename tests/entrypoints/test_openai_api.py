@@ -7,7 +7,7 @@ import pytest
 from conftest import hf_greedy
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.engine.async_engine import CACHED
-from server_utils import MODEL, client, server, wait_all_blocks_free, wait_until  # noqa: F401  (fixtures)
+from server_utils import HEADERS, MODEL, client, server, wait_all_blocks_free, wait_until  # noqa: F401  (fixtures)
 
 PROMPT = "ROMEO: But soft, what light"
 MESSAGES = [{"role": "user", "content": "wherefore art thou"}]
@@ -51,7 +51,7 @@ def test_chat_applies_the_template(server, text_model, client, offline):
     message = out.choices[0].message
     assert message.role == "assistant" and message.content == expected.text
     assert out.usage.prompt_tokens == len(ids)
-    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, headers=HEADERS).json()
     assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
 
 
@@ -157,22 +157,22 @@ def test_cache_salt_reaches_the_prefix_cache(server, client):
     second = hits_after("tenant-a")
     assert second > first
     assert hits_after("tenant-b") == second, "another salt must not hit tenant-a's blocks"
-    states = httpx.get(f"{server.url}/dashboard/stats").json()["block_states"]
+    states = httpx.get(f"{server.url}/dashboard/stats", headers=HEADERS).json()["block_states"]
     assert CACHED in states, "freed blocks that keep their hash show as cached"
 
 
 def test_tokenize_detokenize_round_trip(server, text_model):
     tokenizer = text_model[2]
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=HEADERS).json()
     assert tokens["tokens"] == tokenizer(PROMPT).input_ids and tokens["max_model_len"] == 512
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=HEADERS).json()
     assert text["prompt"] == tokenizer.decode(tokens["tokens"])
 
 
 def test_metrics_after_traffic(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, **GREEDY)
     wait_all_blocks_free(server)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=HEADERS).text
     samples = _samples(text)
     assert samples[f'pagedmoe:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):

@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import HEADERS, MODEL, client, serve, server, wait_all_blocks_free, wait_until  # noqa: F401
+from server_utils import API_KEY, HEADERS, MODEL, client, serve, server, wait_all_blocks_free, wait_until  # noqa: F401
 
 PROMPT = "ROMEO: But soft"
 
@@ -47,13 +47,29 @@ def test_bad_values_through_the_openai_client(client):
     assert "best_of" in info.value.body["message"]
 
 
-def test_api_key_is_required_on_v1_only(server):
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                          ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+                                          ("GET", "/dashboard"), ("GET", "/dashboard/stats"),
+                                          ("GET", "/openapi.json"), ("GET", "/nowhere")])
+def test_api_key_is_required_everywhere_but_the_probes(server, method, path):
+    for headers in ({}, {"Authorization": "Bearer test-ke"}, {"Authorization": API_KEY}):
+        response = httpx.request(method, f"{server.url}{path}", headers=headers)
+        assert _error(response, 401)["code"] == "invalid_api_key"
+
+
+def test_only_the_dashboard_page_takes_the_key_in_its_query(server):
+    assert httpx.get(f"{server.url}/dashboard?api_key={API_KEY}").status_code == 200
+    _error(httpx.get(f"{server.url}/dashboard?api_key=wrong"), 401)
+    _error(httpx.get(f"{server.url}/dashboard/stats?api_key={API_KEY}"), 401)
+    _error(httpx.get(f"{server.url}/v1/models?api_key={API_KEY}"), 401)
+
+
+def test_probes_are_open_and_the_openai_client_sees_401(server):
     with pytest.raises(openai.AuthenticationError) as info:
         server.openai(api_key="wrong").models.list()
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
-    _error(httpx.get(f"{server.url}/v1/models"), 401)
-    _error(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer test-ke"}), 401)
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version")):
+        assert httpx.request(method, f"{server.url}{path}").status_code == 200
 
 
 def test_unknown_model_and_route_are_404(server, client):
@@ -61,7 +77,7 @@ def test_unknown_model_and_route_are_404(server, client):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
     assert _error(httpx.get(f"{server.url}/v1/engines", headers=HEADERS), 404)["code"] == "not_found"
-    _error(httpx.get(f"{server.url}/nowhere"), 404)
+    _error(httpx.get(f"{server.url}/nowhere", headers=HEADERS), 404)
     assert _error(httpx.delete(f"{server.url}/v1/models", headers=HEADERS), 405)["type"] == "invalid_request_error"
 
 
@@ -82,15 +98,19 @@ def test_large_bodies_are_413(server):
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": PROMPT, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
 ])
-def test_schema_violations_are_422(server, body, param):
-    error = _error(httpx.post(f"{server.url}/v1/completions", json=body, headers=HEADERS), 422)
-    assert error["param"] == param
+def test_schema_violations_are_400_naming_the_field(server, body, param):
+    error = _error(httpx.post(f"{server.url}/v1/completions", json=body, headers=HEADERS), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == "invalid_schema"
 
 
-def test_malformed_json_and_chat_schema_are_422(server, client):
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers=HEADERS)
-    _error(response, 422)
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+def test_malformed_json_and_chat_schema_are_400(server, client):
+    json_headers = {**HEADERS, "Content-Type": "application/json"}
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers=json_headers)
+    error = _error(response, 400)
+    assert error["code"] == "invalid_json" and error["param"] is None
+    assert error["message"].startswith("invalid JSON body: Expecting property name") and "line 1 column 2" in \
+        error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"content": "no role"}])
     assert info.value.body["param"] == "messages.0.role"
 
@@ -133,6 +153,8 @@ def test_engine_death_fails_requests_at_once_and_health_turns_503(text_model):
         assert time.monotonic() - start < 5
         wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 503, 5, "/health stayed 200")
         assert _error(httpx.get(f"{srv.url}/health"), 503)["code"] == "engine_dead"
+        for method in ("GET", "POST"):
+            assert _error(httpx.request(method, f"{srv.url}/ping"), 503)["code"] == "engine_dead"
         refused = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT}, headers=HEADERS,
                              timeout=5)
         assert _error(refused, 503)["code"] == "engine_dead"

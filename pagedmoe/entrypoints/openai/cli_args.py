@@ -10,7 +10,8 @@ def add_serve_args(parser: argparse.ArgumentParser):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PAGEDMOE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDMOE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route except /health, /ping and "
+                             "/version; open the dashboard as /dashboard?api_key=KEY (default: $PAGEDMOE_API_KEY)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients pass as `model` (default: MODEL as given)")
     parser.add_argument("--max-waiting-requests", type=int, default=512,

@@ -1,23 +1,27 @@
-"""/dashboard: one static page that polls /dashboard/stats, a JSON view of the engine snapshot."""
+"""/dashboard: one static page that polls /dashboard/stats, a JSON view of the engine snapshot.
+With --api-key, open /dashboard?api_key=KEY: the page sends that key as a header on its polls."""
 from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
+from pagedmoe.entrypoints.openai.errors import error_responses
 from pagedmoe.entrypoints.openai.serving import ServingContext
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
+# Not response_class=HTMLResponse: FastAPI would then document the JSON errors as text/html too.
+PAGE_RESPONSE = {200: {"description": "The dashboard page", "content": {"text/html": {"schema": {"type": "string"}}}}}
 
 
 def dashboard_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
     page = PAGE.read_text()
 
-    @router.get("/dashboard", response_class=HTMLResponse)
+    @router.get("/dashboard", responses={**PAGE_RESPONSE, **error_responses(401, 500)})
     async def dashboard():
-        return page
+        return HTMLResponse(page)
 
-    @router.get("/dashboard/stats")
+    @router.get("/dashboard/stats", responses=error_responses(401, 500))
     async def stats():
         return dashboard_stats(ctx)
     return router

@@ -1,5 +1,6 @@
 """Pure ASGI middleware (BaseHTTPMiddleware would buffer streams and hide client disconnects)."""
 import hmac
+from urllib.parse import parse_qs
 
 from starlette.datastructures import Headers
 
@@ -7,14 +8,19 @@ from pagedmoe.entrypoints.openai.errors import error_response
 
 
 class ApiKeyMiddleware:
-    """Bearer token check for every path under `prefix`, in constant time."""
+    """Bearer token check, in constant time, on every path except the probes in `OPEN_PATHS`
+    (/health, /ping, /version), which load balancers and orchestrators call without credentials.
+    A browser cannot send a header when it navigates, so the dashboard page alone also takes the key
+    as `?api_key=KEY`; its script then sends the key as a header on its own fetches."""
 
-    def __init__(self, app, api_key: str, prefix: str = "/v1"):
-        self.app, self.prefix = app, prefix
-        self.expected = f"Bearer {api_key}".encode()
+    OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
+    QUERY_KEY_PATHS = frozenset({"/dashboard"})
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix) and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS and not self._authorized(scope):
             response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       code="invalid_api_key")
             return await response(scope, receive, send)
@@ -22,7 +28,12 @@ class ApiKeyMiddleware:
 
     def _authorized(self, scope) -> bool:
         given = Headers(scope=scope).get("authorization", "").encode()
-        return hmac.compare_digest(given, self.expected)
+        if hmac.compare_digest(given, b"Bearer " + self.api_key):
+            return True
+        if scope["path"] not in self.QUERY_KEY_PATHS:
+            return False
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        return any(hmac.compare_digest(key.encode(), self.api_key) for key in query.get("api_key", []))
 
 
 class BodySizeLimitMiddleware:

@@ -1,15 +1,60 @@
-"""Request bodies of the OpenAI API plus vLLM's sampling extras. Types are checked here (422);
-values are checked by SamplingParams and the engine (400), so both speak the same field names."""
-from pydantic import BaseModel, ConfigDict
+"""Request bodies of the OpenAI API plus vLLM's sampling extras. Types are checked here, values by
+SamplingParams and the engine; both answer 400 naming the field."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedmoe.sampling_params import SamplingParams
 
+MAX_NESTING = 32
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+def check_strings(value, path: tuple = ()):
+    """Refuses the first string UTF-8 cannot encode (JSON's "\\ud800" escapes decode to lone
+    surrogates, which neither the tokenizer nor a JSON response can take), and nesting deeper than
+    MAX_NESTING (pydantic and the chat template recurse into it)."""
+    if len(path) > MAX_NESTING:
+        raise PydanticCustomError("too_deep", f"nested deeper than {MAX_NESTING} levels", {"path": list(path[:8])})
+    if isinstance(value, str):
+        if not (value.isascii() or _encodes(value)):
+            raise PydanticCustomError("invalid_unicode", "not valid Unicode (a lone UTF-16 surrogate)",
+                                      {"path": list(path)})
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_strings(key, path + (key,))
+            check_strings(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):  # skips token id lists fast
+                check_strings(item, path + (index,))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class RequestModel(BaseModel):
+    """Checks every string of the raw body (extra fields included) before any field sees it; the
+    error's ctx carries the path, which the error handler adds to `param`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed(cls, data):
+        check_strings(data)
+        return data
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -25,11 +70,11 @@ class SamplingRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    include_stop_str_in_output: StrictBool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = 0
-    skip_special_tokens: bool = True
-    stream: bool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -55,7 +100,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -74,7 +119,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
 
     def as_template_input(self) -> dict:
@@ -90,9 +135,9 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def to_chat_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -101,14 +146,14 @@ class ChatCompletionRequest(SamplingRequest):
         return self.to_sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]

@@ -1,9 +1,12 @@
 """What every endpoint shares: the model check, prompt building, and the path request -> engine
 streams -> (tracked) outputs."""
+import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import jinja2
 
@@ -26,9 +29,14 @@ def value_errors_as_400():
 
 @dataclass
 class ServingContext:
+    """`tokenizer_thread` runs every tokenizer call off the event loop (a multi-MB prompt takes
+    seconds; the HF tokenizer releases the GIL meanwhile). One thread, because a fast tokenizer
+    instance is not safe to call from several threads at once; it also keeps calls in arrival order."""
     client: AsyncLLMEngine
     model_name: str
     metrics: ServerMetrics
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedmoe-tokenizer"))
 
     def check_model(self, model: str | None):
         if model is not None and model != self.model_name:
@@ -42,21 +50,25 @@ class ServingContext:
                            param="prompt", code="invalid_value")
         return self.client.tokenizer
 
-    def text_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> dict:
+    async def in_tokenizer_thread(self, function, *args, **kwargs):
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, call)
+
+    async def text_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> dict:
         if not isinstance(prompt, str):
             return {"prompt_token_ids": list(prompt)}
-        token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        return {"prompt": prompt, "prompt_token_ids": token_ids}
+        encoded = await self.in_tokenizer_thread(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
+        return {"prompt": prompt, "prompt_token_ids": encoded.input_ids}
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
         with value_errors_as_400():
             conversation = [m.as_template_input() for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = await self.in_tokenizer_thread(self.tokenizer.apply_chat_template, conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: chat template failed: {e}", param="messages", code="invalid_value")
-        return self.text_prompt(text, add_special_tokens=False)
+        return await self.text_prompt(text, add_special_tokens=False)
 
     async def open_streams(self, request_id: str, prompts: list[dict], params: SamplingParams,
                            cache_salt: str | None) -> list[RequestStream]:
@@ -96,5 +108,7 @@ def _close_all(streams: list[RequestStream]):
 def usage(finals: list[RequestOutput]) -> dict:
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
     completion_tokens = sum(len(choice.token_ids) for out in finals for choice in out.outputs)
+    cached_tokens = sum(out.num_cached_tokens for out in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from pagedmoe.entrypoints.openai.errors import APIError
 from pagedmoe.entrypoints.openai.logprobs import chat_logprobs
 from pagedmoe.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
@@ -19,9 +20,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_model(body.model)
     with value_errors_as_400():
         params = body.to_chat_sampling_params()
-    prompt = ctx.chat_prompt(body.messages, body.add_generation_prompt)
+    prompt = await ctx.chat_prompt(body.messages, body.add_generation_prompt)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await ctx.open_streams(request_id, [prompt], params, body.cache_salt)
+    with _chat_field_names():
+        streams = await ctx.open_streams(request_id, [prompt], params, body.cache_salt)
     header = {"id": request_id, "created": created, "model": ctx.model_name}
     if body.stream:
         return SSEResponse(_events(ctx, streams, body, {**header, "object": "chat.completion.chunk"}))
@@ -54,6 +56,17 @@ async def _events(ctx: ServingContext, streams, body: ChatCompletionRequest, hea
     except Exception as e:
         yield error_event(e)
     yield DONE
+
+
+@contextlib.contextmanager
+def _chat_field_names():
+    """The engine checks its `logprobs` count, which chat requests spell `top_logprobs`."""
+    try:
+        yield
+    except APIError as e:
+        if e.param == "logprobs":
+            e.param, e.message = "top_logprobs", "top_logprobs" + e.message.removeprefix("logprobs")
+        raise
 
 
 def _logprobs(out: CompletionOutput, start: int, end: int, body: ChatCompletionRequest) -> dict | None:

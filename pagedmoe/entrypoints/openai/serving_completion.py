@@ -24,7 +24,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         raise APIError(400, "echo is not supported", param="echo", code="unsupported")
     with value_errors_as_400():
         params = body.to_sampling_params(body.max_tokens, body.logprobs)
-        prompts = [ctx.text_prompt(prompt) for prompt in body.prompts()]
+        prompts = [await ctx.text_prompt(prompt) for prompt in body.prompts()]
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await ctx.open_streams(request_id, prompts, params, body.cache_salt)
     header = {"id": request_id, "object": OBJECT, "created": created, "model": ctx.model_name}
