@@ -38,19 +38,12 @@ def _assert_still_serving(server):
     wait_all_blocks_free(server)
 
 
-@pytest.mark.parametrize("fields, param", COMPLETIONS)
-def test_completions_inputs_are_refused_naming_the_field(server, fields, param):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=HEADERS)
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
-    _assert_still_serving(server)
-
-
-@pytest.mark.parametrize("fields, param", CHAT)
-def test_chat_inputs_are_refused_naming_the_field(server, fields, param):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=HEADERS)
+@pytest.mark.parametrize("route, fields, param", [("completions", f, p) for f, p in COMPLETIONS]
+                         + [("chat/completions", f, p) for f, p in CHAT])
+def test_inputs_are_refused_naming_the_field(server, route, fields, param):
+    content = {"messages": [{"role": "user", "content": "hi"}]} if route.startswith("chat") else {"prompt": "hi"}
+    body = {"model": MODEL, "max_tokens": 2, **content, **fields}
+    response = httpx.post(f"{server.url}/v1/{route}", json=body, headers=HEADERS)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     _assert_still_serving(server)
