@@ -193,11 +193,12 @@ class LLMEngine:
         """A failed step runs again one request at a time: a request that fails alone gets an error output,
         the others go on. When every request fails alone, no request explains the error: it is raised."""
         parts, failed, outputs = split_by_request(sched), {}, []
-        if len(parts) == 1:
+        if len(parts) == 1:  # alone already: the error is this request's
             failed[parts[0][0].request_id] = (parts[0][0], error)
-        for request, part in parts if len(parts) > 1 else []:
-            with failures_into(failed, request):
-                outputs += self._postprocess(part, self.runner.execute(part))
+        else:
+            for request, part in parts:
+                with failures_into(failed, request):
+                    outputs += self._postprocess(part, self.runner.execute(part))
         if len(parts) > 1 and len(failed) == len(parts):
             raise EngineStepError(f"every request of the step failed alone; first: {describe(error)}") from error
         self._fail(failed)
