@@ -147,6 +147,9 @@ def run_baseline(name: str, model_dir: str, dtype: torch.dtype, workload: list[B
     if name == "llama.cpp":
         from pagedmoe.bench.llamacpp import llama_cpp_baseline
         return llama_cpp_baseline(model_dir, workload, args)
+    if name == "vllm":
+        from pagedmoe.bench.vllm_peer import vllm_baseline
+        return vllm_baseline(model_dir, str(dtype).removeprefix("torch."), workload, args)
     return BASELINES[name](model_dir, dtype, workload, device)
 
 
@@ -166,4 +169,4 @@ def pagedmoe_float32(workload: list[BenchRequest], args) -> dict:
 
 
 BASELINES = {"hf-sequential": hf_sequential, "hf-static": hf_static, "hf-cb": hf_cb}
-BASELINE_NAMES = [*BASELINES, "llama.cpp", "pagedmoe-float32"]
+BASELINE_NAMES = [*BASELINES, "llama.cpp", "pagedmoe-float32", "vllm"]

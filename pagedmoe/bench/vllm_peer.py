@@ -1,0 +1,74 @@
+"""`--baseline vllm`: vLLM's CPU engine on the same model and workload, in vLLM's own virtualenv
+(`--vllm-python`, or one made by `pagedmoe bench setup-vllm DIR`), run once per thread binding; the better
+binding is the row, both are kept in the JSON. Its driver (vllm_driver.py) runs in that venv and reports the
+digest of the prompts it ran, which must equal this side's: the same token ids reach both engines."""
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from pagedmoe.bench.baselines import figures
+from pagedmoe.bench.vllm_driver import workload_digest
+from pagedmoe.bench.workload import BenchRequest
+from pagedmoe.worker.cpu_threads import allowed_cpus
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+VLLM_VERSION = "0.32.0"
+
+
+def check_vllm_python(path: str | None) -> str:
+    if not path:
+        raise ValueError("--vllm-python: the vllm baseline needs vLLM's interpreter, e.g. DIR/bin/python after "
+                         "`pagedmoe bench setup-vllm DIR`")
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"--vllm-python: {path!r} is not an executable interpreter")
+    return path
+
+
+def thread_bindings() -> dict[str, str]:
+    """VLLM_CPU_OMP_THREADS_BIND values: vLLM's default (a core kept for its scheduler) and every allowed core."""
+    cpus = sorted(allowed_cpus())
+    every = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+    return {"auto": "auto", "all-cores": every}
+
+
+def vllm_env(python: str, binding: str) -> dict[str, str]:
+    """vLLM's recommended runtime: tcmalloc and its venv's Intel OpenMP preloaded where present."""
+    preload = [str(p) for p in [TCMALLOC, *Path(python).resolve().parents[1].rglob("libiomp5.so")] if p.exists()]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding, "VLLM_CPU_KVCACHE_SPACE": "4"}
+    return env | ({"LD_PRELOAD": ":".join(preload[:2])} if preload else {})
+
+
+def vllm_request(model_dir: str, dtype: str, workload: list[BenchRequest], args) -> dict:
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in workload)
+    return {"model": os.path.abspath(model_dir), "dtype": dtype, "max_model_len": max(longest, 256),
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prompts": [r.prompt_token_ids for r in workload], "output_lens": [r.output_len for r in workload]}
+
+
+def run_driver(python: str, request: dict, env: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        req_path, res_path = Path(tmp, "request.json"), Path(tmp, "result.json")
+        req_path.write_text(json.dumps(request | {"launch_time": time.time()}))
+        proc = subprocess.run([python, str(DRIVER), str(req_path), str(res_path)], env=env, timeout=timeout,
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not res_path.exists():
+            raise RuntimeError(f"vllm baseline failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(res_path.read_text())
+
+
+def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args) -> dict:
+    python, request = check_vllm_python(args.vllm_python), vllm_request(model_dir, dtype, workload, args)
+    expected = workload_digest(request["prompts"], request["output_lens"])
+    runs = {}
+    for name, binding in thread_bindings().items():
+        result = run_driver(python, request, vllm_env(python, binding), args.vllm_timeout)
+        if result["workload_digest"] != expected:
+            raise RuntimeError("vllm baseline: vLLM ran other prompts than the workload's")
+        runs[name] = figures("vllm", workload, result["elapsed_s"], result["generated"]) | {
+            "binding": binding, "startup_to_first_token_s": result["startup_to_first_token_s"]}
+    best = max(runs.values(), key=lambda row: row["output_tok_s"])
+    return best | {"bindings": runs, "vllm_python": python}

@@ -1,0 +1,95 @@
+"""The vllm baseline's harness, without vLLM: a stand-in `vllm` package on PYTHONPATH plays the engine, so
+these tests check what crosses the process boundary (the same token ids reach both engines, the lengths, the
+bindings, the start-up figures) and the argument handling. Benchmarks are not tests: vLLM itself never runs."""
+import json
+import sys
+import textwrap
+
+import pytest
+
+from pagedmoe.bench.vllm_driver import workload_digest
+from pagedmoe.bench.vllm_peer import check_vllm_python, thread_bindings
+from pagedmoe.entrypoints.cli import main as cli_main
+
+FAKE_VLLM = """
+import json, os
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
+        self.max_tokens = max_tokens
+class _Completion:
+    def __init__(self, n): self.token_ids = [7] * n
+class _Output:
+    def __init__(self, prompt, n): self.prompt_token_ids, self.outputs = prompt, [_Completion(n)]
+class LLM:
+    def __init__(self, **kwargs):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"kwargs": kwargs, "bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}) + "\\n")
+    def generate(self, prompts, params, use_tqdm=True):
+        drop = int(os.environ.get("FAKE_VLLM_DROP_TOKEN", "0"))
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [_Output(p["prompt_token_ids"][drop:], s.max_tokens) for p, s in zip(prompts, params)]
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    package = tmp_path / "fake" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (package / "inputs.py").write_text("def TokensPrompt(prompt_token_ids): return {'prompt_token_ids': prompt_token_ids}\n")
+    log = tmp_path / "vllm.log"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    return log
+
+
+def bench_args(model_dir: str, out, *extra: str) -> list[str]:
+    return ["bench", "throughput", "--model", model_dir, "--num-prompts", "4", "--input-len", "4-12",
+            "--output-len", "2-6", "--dtype", "float32", "--num-kv-blocks", "64", "--peak-matmul-size", "64",
+            "--peak-repeats", "1", "--output-json", str(out), *extra]
+
+
+def test_vllm_baseline_gets_the_same_workload_under_both_bindings(dense_model, tmp_path, fake_vllm, capsys):
+    out = tmp_path / "bench.json"
+    cli_main(bench_args(dense_model[0], out, "--baseline", "vllm", "--vllm-python", sys.executable,
+                        "--max-num-seqs", "16"))
+    results = json.loads(out.read_text())
+    vllm, ours = results["vllm"], results["pagedmoe"]
+    assert vllm["output_tokens"] == ours["output_tokens"] and vllm["input_tokens"] == ours["input_tokens"]
+    assert set(vllm["bindings"]) == {"auto", "all-cores"} and vllm["binding"] in ("auto", thread_bindings()["all-cores"])
+    assert vllm["output_tok_s"] == max(row["output_tok_s"] for row in vllm["bindings"].values())
+    assert results["ratio_vs_vllm"] == pytest.approx(ours["output_tok_s"] / vllm["output_tok_s"])
+    assert ours["startup_to_first_token_s"] > 0 and all(r["startup_to_first_token_s"] > 0
+                                                        for r in vllm["bindings"].values())
+    runs = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    assert [r["bind"] for r in runs] == list(thread_bindings().values())
+    assert runs[0]["kwargs"]["dtype"] == "float32" and runs[0]["kwargs"]["max_num_seqs"] == 16
+    assert "start-up to first token" in capsys.readouterr().out
+
+
+def test_other_prompts_reaching_vllm_fail_the_run(dense_model, tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_DROP_TOKEN", "1")
+    with pytest.raises(RuntimeError, match="other prompts"):
+        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python", sys.executable))
+
+
+def test_vllm_python_is_required_and_checked_before_any_run(dense_model, tmp_path):
+    with pytest.raises(ValueError, match="--vllm-python"):
+        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm"))
+    with pytest.raises(ValueError, match="not an executable"):
+        check_vllm_python(str(tmp_path / "missing" / "python"))
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_workload_digest_is_order_and_length_sensitive():
+    base = workload_digest([[1, 2], [3]], [4, 5])
+    assert base == workload_digest([[1, 2], [3]], [4, 5])
+    assert base != workload_digest([[3], [1, 2]], [5, 4]) and base != workload_digest([[1, 2], [3]], [4, 6])
+
+
+def test_all_cores_binding_names_the_allowed_cpus(monkeypatch):
+    import pagedmoe.bench.vllm_peer as peer
+    monkeypatch.setattr(peer, "allowed_cpus", lambda: {0, 1, 2, 3})
+    assert peer.thread_bindings() == {"auto": "auto", "all-cores": "0-3"}
+    monkeypatch.setattr(peer, "allowed_cpus", lambda: {0, 2, 5})
+    assert peer.thread_bindings()["all-cores"] == "0,2,5"
