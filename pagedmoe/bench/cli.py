@@ -111,22 +111,51 @@ def _latency(args):
 def _serve(args):
     from pagedmoe.bench.plot import plot_serve
     from pagedmoe.bench.report import args_json, env, serve_table, write_json
-    from pagedmoe.bench.serve import served_model, sweep, warm_up
     from pagedmoe.bench.server import server_for
     from pagedmoe.bench.workload import workload_summary
+    if "vllm" in args.baseline:
+        from pagedmoe.bench.vllm_peer import check_vllm_python
+        check_vllm_python(args.vllm_python)
     workloads = _serve_workloads(args)
-    with server_for(args, engine_kwargs(args)) as url:
-        model = args.served_model_name or served_model(url)
-        asyncio.run(warm_up(url, model, workloads[0][0], args.request_timeout))
-        sweep_results = asyncio.run(sweep(url, model, workloads, args.request_rate, args.workload_seed,
-                                          args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
-    results = {"command": "pagedmoe bench serve", "args": args_json(args), "env": env(), "url": url,
-               "workload": [workload_summary(w) for w in workloads]} | sweep_results
+    results = {"command": "pagedmoe bench serve", "args": args_json(args), "env": env(),
+               "workload": [workload_summary(w) for w in workloads]}
+    results |= _sweep_server(server_for(args, engine_kwargs(args)), args, workloads)
     print(serve_table(results["rates"]))
+    if "vllm" in args.baseline:
+        results["vllm"] = _vllm_serve(args, workloads)
+        print(f"vllm (binding {results['vllm']['binding']!r}):\n{serve_table(results['vllm']['rates'])}")
     if args.plot:
         plot_serve(results["rates"], args.plot)
     write_json(results, args.output_json)
     return results
+
+
+def _sweep_server(server, args, workloads) -> dict:
+    """Start-up (launch to the warm-up's first token), then the rate sweep, against one server."""
+    import time
+
+    from pagedmoe.bench.serve import served_model, sweep, warm_up
+    launched = time.monotonic()
+    with server as url:
+        model = args.served_model_name or served_model(url)
+        asyncio.run(warm_up(url, model, workloads[0][0], args.request_timeout))
+        startup = None if args.url else time.monotonic() - launched
+        swept = asyncio.run(sweep(url, model, workloads, args.request_rate, args.workload_seed,
+                                  args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
+    return {"url": url, "startup_to_first_token_s": startup} | swept
+
+
+def _vllm_serve(args, workloads) -> dict:
+    """`vllm serve` under the same arrivals, once per thread binding; the better binding's figures on top."""
+    from pagedmoe.bench.vllm_peer import best_serve_binding, thread_bindings, vllm_server
+    from transformers import AutoConfig
+    dtype = args.dtype if args.dtype != "auto" else str(AutoConfig.from_pretrained(args.model).dtype or "float32")
+    bindings = {name: _sweep_server(vllm_server(args.vllm_python, args.model, dtype.removeprefix("torch."),
+                                                binding, args), args, workloads) | {"binding": binding}
+                for name, binding in thread_bindings().items()}
+    best = best_serve_binding(bindings)
+    return bindings[best] | {"bindings": {n: {k: v for k, v in b.items() if k != "requests"}
+                                          for n, b in bindings.items()}}
 
 
 def _serve_workloads(args) -> list:
@@ -202,6 +231,10 @@ def _add_serve(sub):
     sv.add_argument("--slo-itl", type=float, default=None, help="goodput SLO on mean inter-token latency, seconds")
     sv.add_argument("--timeout", type=float, default=1800, help="global deadline for the sweep, seconds")
     sv.add_argument("--request-timeout", type=float, default=600)
+    sv.add_argument("--baseline", action="append", default=[], choices=["vllm"],
+                    help="vllm: `vllm serve` from --vllm-python under the same arrivals, both thread bindings")
+    sv.add_argument("--vllm-python", default=None, help="vllm baseline: vLLM's interpreter (its own venv)")
+    sv.add_argument("--vllm-timeout", type=float, default=900, help="vllm baseline: seconds to come up")
     sv.add_argument("--plot", default=None, help="PNG of latency and throughput against the request rate")
     sv.add_argument("--output-json", default=None)
     add_engine_args(sv)

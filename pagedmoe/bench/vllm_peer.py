@@ -2,6 +2,7 @@
 (`--vllm-python`, or one made by `pagedmoe bench setup-vllm DIR`), run once per thread binding; the better
 binding is the row, both are kept in the JSON. Its driver (vllm_driver.py) runs in that venv and reports the
 digest of the prompts it ran, which must equal this side's: the same token ids reach both engines."""
+import contextlib
 import json
 import os
 import subprocess
@@ -72,3 +73,45 @@ def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args
             "binding": binding, "startup_to_first_token_s": result["startup_to_first_token_s"]}
     best = max(runs.values(), key=lambda row: row["output_tok_s"])
     return best | {"bindings": runs, "vllm_python": python}
+
+
+def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-log-requests"]
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, model_dir: str, dtype: str, binding: str, args):
+    """`vllm serve` (its OpenAI api_server module) on a free port, with one thread binding; its log goes to
+    a temporary file that is printed if it fails to come up."""
+    from pagedmoe.bench.server import free_port, wait_healthy
+    port, log = free_port(), tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(vllm_serve_command(python, model_dir, port, dtype, args),
+                               env=vllm_env(python, binding), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", args.vllm_timeout, lambda: process.poll() is None)
+        yield f"http://127.0.0.1:{port}"
+    except (RuntimeError, TimeoutError):
+        log.seek(0)
+        raise RuntimeError(f"vllm serve did not come up:\n{log.read()[-3000:]}")
+    finally:
+        process.terminate()
+        _wait_or_kill(process)
+        log.close()
+
+
+def _wait_or_kill(process: subprocess.Popen):
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def best_serve_binding(bindings: dict[str, dict]) -> str:
+    """The binding with the most goodput summed over the rates (then output tok/s)."""
+    def score(name):
+        rates = bindings[name]["rates"]
+        return sum(r["goodput_req_s"] for r in rates), sum(r["output_tok_s"] for r in rates)
+    return max(bindings, key=score)

@@ -93,3 +93,39 @@ def test_all_cores_binding_names_the_allowed_cpus(monkeypatch):
     assert peer.thread_bindings() == {"auto": "auto", "all-cores": "0-3"}
     monkeypatch.setattr(peer, "allowed_cpus", lambda: {0, 2, 5})
     assert peer.thread_bindings()["all-cores"] == "0,2,5"
+
+
+FAKE_API_SERVER = """
+import argparse, json, os
+from pagedmoe.entrypoints.cli import main
+parser = argparse.ArgumentParser()
+for flag in ("--model", "--port", "--dtype", "--max-num-seqs", "--max-num-batched-tokens"):
+    parser.add_argument(flag)
+parser.add_argument("--disable-log-requests", action="store_true")
+args = parser.parse_args()
+with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+    f.write(json.dumps({"bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "dtype": args.dtype}) + "\\n")
+main(["serve", args.model, "--port", args.port, "--dtype", args.dtype, "--max-num-seqs", args.max_num_seqs,
+      "--num-kv-blocks", "64", "--log-level", "warning"])
+"""
+
+
+def test_vllm_serve_baseline_runs_the_same_arrivals_per_binding(text_model, tmp_path, fake_vllm):
+    """The stand-in `vllm.entrypoints.openai.api_server` serves with pagedmoe itself: what is checked is the
+    harness (command, environment, health wait, sweep per binding, the better binding on top)."""
+    server_dir = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    server_dir.mkdir(parents=True)
+    (server_dir / "api_server.py").write_text(textwrap.dedent(FAKE_API_SERVER))
+    out = tmp_path / "serve.json"
+    cli_main(["bench", "serve", "--model", text_model[0], "--server", "inprocess", "--num-prompts", "3",
+              "--input-len", "4-12", "--output-len", "3-6", "--request-rate", "inf", "--dtype", "float32",
+              "--num-kv-blocks", "64", "--max-num-seqs", "8", "--timeout", "120", "--baseline", "vllm",
+              "--vllm-python", sys.executable, "--output-json", str(out)])
+    results = json.loads(out.read_text())
+    vllm = results["vllm"]
+    assert set(vllm["bindings"]) == {"auto", "all-cores"}
+    assert [r["bind"] for r in map(json.loads, fake_vllm.read_text().splitlines())] == list(thread_bindings().values())
+    for row in [*results["rates"], *vllm["rates"]]:
+        assert (row["completed"], row["failed"]) == (3, 0), row["errors"]
+    assert vllm["rates"][0]["output_tokens"] == results["rates"][0]["output_tokens"]
+    assert results["startup_to_first_token_s"] > 0 and vllm["startup_to_first_token_s"] > 0
