@@ -78,7 +78,7 @@ def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args
 def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-log-requests"]
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
 
 
 @contextlib.contextmanager

@@ -101,7 +101,6 @@ from pagedmoe.entrypoints.cli import main
 parser = argparse.ArgumentParser()
 for flag in ("--model", "--port", "--dtype", "--max-num-seqs", "--max-num-batched-tokens"):
     parser.add_argument(flag)
-parser.add_argument("--disable-log-requests", action="store_true")
 args = parser.parse_args()
 with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
     f.write(json.dumps({"bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "dtype": args.dtype}) + "\\n")
