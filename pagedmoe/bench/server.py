@@ -75,12 +75,17 @@ def subprocess_server(model: str, engine_kwargs: dict, timeout: float = 300):
         wait_healthy(url, timeout, lambda: process.poll() is None)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 15)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float):
+    """SIGTERM, then SIGKILL if it has not exited after grace_s seconds."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def server_for(args, engine_kwargs: dict):

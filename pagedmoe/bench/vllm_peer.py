@@ -85,7 +85,7 @@ def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args)
 def vllm_server(python: str, model_dir: str, dtype: str, binding: str, args):
     """`vllm serve` (its OpenAI api_server module) on a free port, with one thread binding; its log goes to
     a temporary file that is printed if it fails to come up."""
-    from pagedmoe.bench.server import free_port, wait_healthy
+    from pagedmoe.bench.server import free_port, stop_process, wait_healthy
     port, log = free_port(), tempfile.TemporaryFile("w+")
     process = subprocess.Popen(vllm_serve_command(python, model_dir, port, dtype, args),
                                env=vllm_env(python, binding), stdout=log, stderr=subprocess.STDOUT)
@@ -96,17 +96,8 @@ def vllm_server(python: str, model_dir: str, dtype: str, binding: str, args):
         log.seek(0)
         raise RuntimeError(f"vllm serve did not come up:\n{log.read()[-3000:]}")
     finally:
-        process.terminate()
-        _wait_or_kill(process)
+        stop_process(process, 30)
         log.close()
-
-
-def _wait_or_kill(process: subprocess.Popen):
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def best_serve_binding(bindings: dict[str, dict]) -> str:

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -76,3 +77,10 @@ def server(text_model):
 @pytest.fixture
 def client(server) -> openai.OpenAI:
     return server.openai()
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

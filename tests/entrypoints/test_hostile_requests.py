@@ -11,7 +11,9 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from pagedmoe import LLM, SamplingParams
-from server_utils import HEADERS, MODEL, serve, server, wait_all_blocks_free, wait_until  # noqa: F401
+from pagedmoe.bench.server import free_port
+from server_utils import (HEADERS, MODEL, is_healthy, serve, server, wait_all_blocks_free,  # noqa: F401
+                          wait_until)
 
 BIG = 2**63
 COMPLETIONS = [  # (extra fields, field named in the error)
@@ -106,12 +108,13 @@ main(["serve", sys.argv[1], "--port", sys.argv[2], "--dtype", "float32", "--num-
 """
 
 
-def test_engine_death_is_logged_and_the_server_exits_non_zero(text_model, free_port):
-    process = subprocess.Popen([sys.executable, "-c", DYING_SERVER, text_model[0], str(free_port)],
+def test_engine_death_is_logged_and_the_server_exits_non_zero(text_model):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", DYING_SERVER, text_model[0], str(port)],
                                stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{free_port}"
+    url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or process.poll() is not None, 120, "server did not come up")
+        wait_until(lambda: is_healthy(url) or process.poll() is not None, 120, "server did not come up")
         body = {"model": text_model[0], "prompt": "ROMEO", "max_tokens": 4, "seed": 666}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert response.status_code == 503
@@ -123,18 +126,3 @@ def test_engine_death_is_logged_and_the_server_exits_non_zero(text_model, free_p
     finally:
         process.kill()
         process.wait()
-
-
-@pytest.fixture
-def free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False

@@ -10,7 +10,7 @@ import httpx
 import pagedmoe.entrypoints.openai.server as server_module
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
 from pagedmoe.entrypoints.openai.cli_args import add_serve_args, main
-from server_utils import wait_until
+from server_utils import is_healthy, wait_until
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def test_serve_process_answers_and_stops_on_sigint(text_model):
     process = subprocess.Popen(command, env={**os.environ, "PAGEDMOE_API_KEY": "secret"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or process.poll() is not None, 120, "server did not come up")
+        wait_until(lambda: is_healthy(url) or process.poll() is not None, 120, "server did not come up")
         assert process.poll() is None
         body = {"model": "tiny", "prompt": "ROMEO", "max_tokens": 3}
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
@@ -48,10 +48,3 @@ def test_serve_process_answers_and_stops_on_sigint(text_model):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
