@@ -38,6 +38,7 @@ class EngineConfig:
     adaptive_threads: bool = True  # CPU: use fewer threads while other processes hold cores
     prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     cpu_attention_kernel: bool = True  # CPU: decode attention reads KV blocks in place (C++, built on first use)
+    cpu_moe_kernel: bool = True  # CPU: decode-sized MoE batches run all experts in one C++ call (built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 

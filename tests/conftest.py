@@ -1,9 +1,11 @@
+import platform
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
+from pagedmoe import cpu_info
 from pagedmoe.engine.llm_engine import LLMEngine
 from pagedmoe.train.config import TrainConfig
 from pagedmoe.train.tokenizer import build_tokenizer
@@ -127,3 +129,17 @@ def tiny_config(tmp_path, tokenizer_dir):
         return base.replace(**changes)
 
     return make
+
+
+# what each x86-64 level adds that its code may use (Linux /proc/cpuinfo names; abm is LZCNT)
+X86_64_LEVELS = {"x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
+                 "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+
+
+def missing_for(target: str) -> str | None:
+    """Why this CPU cannot run code built for target, or None; from the real flags, never the override."""
+    if not cpu_info.is_x86():
+        return f"{target} is an x86-64 target; this CPU is {platform.machine()}"
+    levels = list(X86_64_LEVELS)[:list(X86_64_LEVELS).index(target) + 1]
+    missing = [f for level in levels for f in X86_64_LEVELS[level] if f not in cpu_info.detected_cpu_flags()]
+    return f"{target} needs {missing[0]}" if missing else None

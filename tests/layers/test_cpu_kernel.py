@@ -1,10 +1,8 @@
-import platform
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pagedmoe import cpu_info
+from conftest import X86_64_LEVELS, missing_for
 from pagedmoe.layers.attention import cpu_kernel
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 
@@ -92,20 +90,6 @@ def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
         assert not list((tmp_path / "kernels").glob("*"))
     finally:
         cpu_kernel.load_library.cache_clear()
-
-
-# what each x86-64 level adds that its code may use (Linux /proc/cpuinfo names; abm is LZCNT)
-X86_64_LEVELS = {"x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
-                 "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
-
-
-def missing_for(target: str) -> str | None:
-    """Why this CPU cannot run code built for target, or None; from the real flags, never the override."""
-    if not cpu_info.is_x86():
-        return f"{target} is an x86-64 target; this CPU is {platform.machine()}"
-    levels = list(X86_64_LEVELS)[:list(X86_64_LEVELS).index(target) + 1]
-    missing = [f for level in levels for f in X86_64_LEVELS[level] if f not in cpu_info.detected_cpu_flags()]
-    return f"{target} needs {missing[0]}" if missing else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

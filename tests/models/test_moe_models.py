@@ -53,12 +53,25 @@ def test_moe_greedy_matches_hf(moe_reference, scenario):
 
 
 def test_moe_greedy_matches_hf_on_packed_weights(moe_reference, monkeypatch):
-    """Every linear and every expert on oneDNN pre-packed weights (tiny weights are not packed by default)."""
+    """Every linear and every expert on oneDNN pre-packed weights (tiny weights are not packed by default),
+    with the fused CPU MoE kernel off: it replaces the packed expert copies where it applies."""
     monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
     path, _, prompts, expected = moe_reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_moe_kernel=False)
     if torch.backends.mkldnn.is_available():
         assert all(moe.packed_experts is not None for moe in llm.engine.runner.model.moe_layers)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_moe_greedy_matches_hf_with_and_without_cpu_moe_kernel(moe_reference, kernel):
+    """The kernel runs the decode steps (and the small prefill chunks); larger batches take the expert loop."""
+    path, _, prompts, expected = moe_reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_moe_kernel=kernel, max_num_batched_tokens=64)
+    assert all((moe.cpu_experts is not None) == kernel for moe in llm.engine.runner.model.moe_layers)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

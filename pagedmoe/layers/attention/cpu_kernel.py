@@ -1,82 +1,27 @@
 """The CPU decode-attention kernel (csrc/paged_decode.cpp): it reads each sequence's KV blocks in place
-instead of gathering them, so a decode step moves the context through memory once. Built with the system
-C++ compiler on first use (about a second) into a cache keyed by source, flags and CPU, and called through
-ctypes, which releases the GIL for the call. It is plain C++ that the compiler vectorizes for the target
-(-march=native: AVX2, AVX-512, ...); bf16 is converted with integer bit operations, so it needs no bf16
-instructions. Where it cannot be built or loaded (no compiler, no OpenMP), RuntimeError: the model runner
-then warns and uses the PyTorch path."""
+instead of gathering them, so a decode step moves the context through memory once. Built and loaded by
+layers/cpu_build.py; bf16 is converted with integer bit operations, so it needs no bf16 instructions.
+Where it cannot be built or loaded, RuntimeError: the model runner then warns and uses the PyTorch path."""
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from pagedmoe.layers import cpu_build
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
-# -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
-# denormals-are-zero for the whole process when the library loads
-LINK_FLAGS = ["-shared", "-fopenmp"]
 ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
+    return cpu_build.load_library(SOURCE, compiler, march)
 
 
 class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_seqs", "max_blocks", "num_kv_heads", "group_size", "num_blocks", "block_size", "head_dim")]
-
-
-def kernel_cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedmoe"
-    return Path(os.environ.get("PAGEDMOE_CACHE_DIR", default)) / "kernels"
-
-
-def _cpu_identity() -> bytes:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
-    return "\n".join(sorted({line for line in lines if line.startswith(("flags", "model name"))})).encode()
-
-
-def compile_flags(march: str) -> list[str]:
-    return [*COMPILE_FLAGS, f"-march={march}"]
-
-
-@functools.cache
-def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
-    """Builds (once per source, flags and CPU) and loads the kernel library; RuntimeError if it cannot.
-    march: the compiler's target, e.g. x86-64-v3 (AVX2) to check another machine's build here."""
-    flags = [*compile_flags(march), *LINK_FLAGS]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_identity()).hexdigest()
-    path = kernel_cache_dir() / f"paged_decode-{key[:16]}.so"
-    try:
-        if not path.exists():
-            _build(compiler, march, path)
-        return ctypes.CDLL(str(path))
-    except OSError as error:  # an unwritable cache directory, a library that does not load
-        raise RuntimeError(f"cannot build or load the CPU attention kernel: {error}") from error
-
-
-def _build(compiler: str, march: str, path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        obj, library = Path(tmp, "paged_decode.o"), Path(tmp, "paged_decode.so")
-        _run([compiler, *compile_flags(march), "-c", str(SOURCE), "-o", str(obj)])
-        _run([compiler, *LINK_FLAGS, str(obj), "-o", str(library)])
-        os.replace(library, path)
-
-
-def _run(command: list[str]):
-    try:
-        result = subprocess.run(command, capture_output=True, text=True)
-    except OSError as error:
-        raise RuntimeError(f"cannot build the CPU attention kernel: {error}") from error
-    if result.returncode != 0:
-        raise RuntimeError(f"cannot build the CPU attention kernel:\n{result.stderr}")
 
 
 class PagedDecodeKernel:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
+from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, load_library, unsupported_reason
 from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
@@ -60,6 +61,26 @@ class FusedMoE(nn.Module):
         if can_pack(self.w13[0]) and can_pack(self.w2[0]) and nbytes(self.w2[0]) >= min_bytes:
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
 
+    cpu_experts: CpuFusedMoE | None = None
+
+    def use_cpu_kernel(self) -> bool:
+        """Runs decode-sized batches through the CPU fused-MoE kernel, and larger ones through the unpacked
+        expert loop (as fast as oneDNN's packed copies there), so the weights are held twice, not three times.
+        False where the kernel does not apply (activation, biases, shapes)."""
+        panel = load_library().fused_moe_panel()
+        if self.activation != "silu" or self.w13_bias is not None or unsupported_reason(self.w13, self.w2, panel):
+            return False
+        self.cpu_experts, self.packed_experts = CpuFusedMoE(self.w13, self.w2), None
+        return True
+
+    def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.cpu_experts is not None:
+            if self.cpu_experts.fits(x, topk_ids):
+                return self.cpu_experts(x, topk_weights, topk_ids).to(x.dtype)
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, use_grouped_mm=False)
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
+                             self.w13_bias, self.w2_bias, packed=self.packed_experts)
+
     def router_logits(self, x: Tensor) -> Tensor:
         if not self.router.fp32_logits:
             return self.gate(x)
@@ -74,8 +95,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
         if expert_load is not None:
             expert_load += expert_counts(topk_ids, self.num_experts)
-        out = fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
-                            self.w13_bias, self.w2_bias, packed=self.packed_experts)
+        out = self.routed_output(x, topk_weights, topk_ids)
         return out if self.shared_experts is None else out + self.shared_output(x)
 
     def expert_shard(self, expert: int, proj: str) -> Tensor:

@@ -1,0 +1,95 @@
+"""The CPU fused-MoE kernel (csrc/fused_moe.cpp): all routed experts of a layer in one call, each active
+expert's weights streamed from memory once, for decode-sized batches. Built and loaded by
+layers/cpu_build.py; RuntimeError where it cannot be, and FusedMoE then keeps its expert loop."""
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pagedmoe.layers import cpu_build
+
+SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
+ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
+# Up to this many (token, expert) pairs per expert on average the kernel beats the oneDNN expert loop; above
+# it oneDNN's large-tile GEMMs (AMX for bf16) win: measured on a Sapphire Rapids, 8 experts, 768 -> 1024.
+MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 8}
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
+    return cpu_build.load_library(SOURCE, compiler, march)
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_tokens", "top_k", "num_experts", "hidden", "inter")]
+
+
+def pack_gate_up(w13: Tensor, panel: int) -> Tensor:
+    """[E, 2I, H] (gate rows, then up rows) -> [E, I / (panel / 2), H, panel]: each panel's first half is
+    panel / 2 gate columns, its second half the matching up columns, K-major so a tile is one stream."""
+    num_experts, two_inter, hidden = w13.shape
+    half = panel // 2
+    gate, up = (w.reshape(num_experts, two_inter // 2 // half, half, hidden) for w in w13.chunk(2, dim=1))
+    return torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()
+
+
+def pack_down(w2: Tensor, panel: int) -> Tensor:
+    """[E, H, I] -> [E, H / panel, I, panel]."""
+    num_experts, hidden, inter = w2.shape
+    return w2.reshape(num_experts, hidden // panel, panel, inter).transpose(2, 3).contiguous()
+
+
+def in_k_pairs(packed: Tensor) -> Tensor:
+    """[..., K, panel] -> [..., K / 2, panel, 2], the layout of avx512_bf16's pair dot products."""
+    *outer, k, panel = packed.shape
+    return packed.reshape(*outer, k // 2, 2, panel).transpose(-1, -2).contiguous()
+
+
+def unsupported_reason(w13: Tensor, w2: Tensor, panel: int) -> str | None:
+    if w13.dtype not in ENTRY_POINTS or w2.dtype != w13.dtype or w13.device.type != "cpu":
+        return f"the CPU MoE kernel runs float32 and bfloat16 CPU weights, got {w13.dtype} on {w13.device}"
+    inter, hidden = w2.shape[2], w2.shape[1]
+    if inter % (panel // 2) or hidden % panel:
+        return f"the CPU MoE kernel needs intermediate % {panel // 2} == 0 and hidden % {panel} == 0"
+    return None
+
+
+class CpuFusedMoE:
+    """out = sum over each token's top-k experts of weight * silu(x W1^T) * (x W3^T) W2^T, in float32,
+    from copies of w13 [E, 2I, H] and w2 [E, H, I] packed at construction."""
+
+    def __init__(self, w13: Tensor, w2: Tensor, library: ctypes.CDLL | None = None):
+        library = library if library is not None else load_library()
+        panel = library.fused_moe_panel()
+        if reason := unsupported_reason(w13, w2, panel):
+            raise ValueError(reason)
+        self.fn = getattr(library, ENTRY_POINTS[w13.dtype])
+        self.fn.restype = None
+        self.num_experts, self.hidden, self.inter = w2.shape
+        self.max_pairs = MAX_ROWS_PER_EXPERT[w13.dtype] * self.num_experts
+        self.w13, self.w2 = pack_gate_up(w13.detach(), panel), pack_down(w2.detach(), panel)
+        if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
+            self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
+
+    def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
+        """Whether this batch is decode-sized, where the kernel is the faster path (and no autograd)."""
+        return topk_ids.numel() <= self.max_pairs and not (torch.is_grad_enabled() and x.requires_grad)
+
+    def __call__(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if x.dtype != self.w13.dtype or x.shape[-1] != self.hidden:
+            raise ValueError(f"x must be {self.w13.dtype} [tokens, {self.hidden}], got {x.dtype} {tuple(x.shape)}")
+        x, ids = x.contiguous(), topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
+        shape = Shape(x.shape[0], ids.shape[1], self.num_experts, self.hidden, self.inter)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, ids, weights, self.w13, self.w2, out))
+        self.fn(*pointers, shape, ctypes.c_int(torch.get_num_threads()))
+        return out
+
+
+def attach_cpu_kernels(model: torch.nn.Module) -> int:
+    """Gives every MoE layer the kernel can run (FusedMoE.use_cpu_kernel) its packed copy; returns how many.
+    RuntimeError where the kernel cannot be built."""
+    return sum(module.use_cpu_kernel() for module in model.modules() if hasattr(module, "use_cpu_kernel"))

@@ -1,0 +1,122 @@
+"""The fused CPU MoE kernel (layers/moe/csrc/fused_moe.cpp) against the exact expert loop in float64, built
+for each x86-64 level this CPU runs: AVX2, AVX-512, and native (avx512_bf16's pair dot products where the CPU
+has them, bf16 widened in integer code where it does not)."""
+import pytest
+import torch
+
+from conftest import missing_for
+from pagedmoe import cpu_info
+from pagedmoe.layers.moe import cpu_kernel
+from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, attach_cpu_kernels
+from pagedmoe.layers.moe.fused_moe import fused_experts
+from pagedmoe.layers.moe.layer import FusedMoE
+from pagedmoe.layers.moe.routers import RouterConfig
+
+NUM_EXPERTS, HIDDEN, INTER = 6, 64, 48
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_problem(num_tokens, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(dtype)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=g) * 0.2).to(dtype)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=g)
+    logits[:, 0] -= 100  # expert 0 never chosen: an inactive expert costs nothing and writes nothing
+    topk_weights, topk_ids = logits.softmax(-1).topk(top_k)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+def exact(x, w13, w2, topk_weights, topk_ids):
+    args = (x.double(), w13.double(), w2.double(), topk_weights.double(), topk_ids)
+    return fused_experts(*args, use_grouped_mm=False).float()
+
+
+def targets():
+    return [pytest.param(t, marks=pytest.mark.skipif(bool(missing_for(t)), reason=str(missing_for(t))))
+            for t in ("x86-64-v3", "x86-64-v4")] + ["native"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", targets())
+def test_matches_the_exact_expert_loop(target, dtype):
+    """Token counts cover one row, a partial and a full row block (6 on AVX2, 8 on AVX-512) and several."""
+    library = cpu_kernel.load_library(march=target if target != "native" else "native")
+    for num_tokens, top_k in ((1, 1), (5, 2), (8, 2), (23, 3), (64, 2)):
+        x, w13, w2, topk_weights, topk_ids = make_problem(num_tokens, top_k, dtype, seed=num_tokens)
+        out = CpuFusedMoE(w13, w2, library)(x, topk_weights, topk_ids)
+        assert out.dtype == torch.float32 and out.shape == (num_tokens, HIDDEN)
+        torch.testing.assert_close(out, exact(x, w13, w2, topk_weights, topk_ids), **TOLERANCE[dtype])
+
+
+def test_ids_outside_the_experts_contribute_nothing():
+    """An id of -1 (an expert on another rank, later) is skipped, not read out of bounds."""
+    x, w13, w2, topk_weights, topk_ids = make_problem(7, 2, torch.float32)
+    masked = topk_ids.clone()
+    masked[:, 1] = -1
+    out = CpuFusedMoE(w13, w2)(x, topk_weights, masked)
+    expected = exact(x, w13, w2, topk_weights[:, :1], topk_ids[:, :1])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_shapes_and_dtypes_it_cannot_run():
+    panel = cpu_kernel.load_library().fused_moe_panel()
+    x, w13, w2, _, _ = make_problem(2, 1, torch.float32)
+    with pytest.raises(ValueError, match="intermediate"):
+        CpuFusedMoE(w13[:, 1:-1], w2[:, :, 1:])
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        CpuFusedMoE(w13.half(), w2.half())
+    kernel = CpuFusedMoE(w13, w2)
+    with pytest.raises(ValueError, match="x must be"):
+        kernel(x.bfloat16(), torch.ones(2, 1), torch.ones(2, 1, dtype=torch.long))
+    assert panel in (8, 16, 32)
+
+
+def test_decode_sized_batches_only():
+    x, w13, w2, _, topk_ids = make_problem(4, 2, torch.float32)
+    kernel = CpuFusedMoE(w13, w2)
+    limit = cpu_kernel.MAX_ROWS_PER_EXPERT[torch.float32] * NUM_EXPERTS
+    assert kernel.fits(x, topk_ids)
+    assert not kernel.fits(x, torch.zeros(limit // 2 + 1, 2, dtype=torch.long))
+    assert not kernel.fits(x.requires_grad_(), topk_ids)
+
+
+def moe_layer(activation="silu", expert_bias=False):
+    layer = FusedMoE(NUM_EXPERTS, HIDDEN, INTER, RouterConfig(top_k=2, renormalize=True), activation=activation,
+                     expert_bias=expert_bias)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def test_the_layer_uses_the_kernel_for_small_batches_and_the_loop_for_large():
+    torch.manual_seed(0)
+    layer = moe_layer()
+    x_small, x_large = torch.randn(3, HIDDEN), torch.randn(400, HIDDEN)
+    with torch.inference_mode():
+        expected = [layer(x) for x in (x_small, x_large)]
+        assert attach_cpu_kernels(layer) == 1 and layer.cpu_experts is not None
+        calls = []
+        layer.cpu_experts.fn = record_calls(layer.cpu_experts.fn, calls)
+        for x, ref in zip((x_small, x_large), expected):
+            torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+
+
+def record_calls(fn, calls):
+    def wrapped(*args):
+        calls.append(args)
+        return fn(*args)
+    return wrapped
+
+
+@pytest.mark.parametrize("kwargs", [dict(activation="swigluoai"), dict(expert_bias=True)])
+def test_layers_it_cannot_run_keep_the_expert_loop(kwargs):
+    layer = moe_layer(**kwargs)
+    assert attach_cpu_kernels(layer) == 0 and layer.cpu_experts is None
+
+
+def test_native_build_matches_the_cpu():
+    """The bf16 pair path is compiled exactly where the CPU has avx512_bf16 (PAGEDMOE_CPU_FLAGS aside)."""
+    has_pairs = bool(cpu_kernel.load_library().fused_moe_bf16_pairs())
+    assert has_pairs == ("avx512_bf16" in cpu_info.detected_cpu_flags())
