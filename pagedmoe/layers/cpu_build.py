@@ -15,6 +15,7 @@ COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 # -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
 # denormals-are-zero for the whole process when the library loads
 LINK_FLAGS = ["-shared", "-fopenmp"]
+HEADERS = Path(__file__).with_name("csrc")  # shared by the kernels: part of every build's cache key
 
 
 def kernel_cache_dir() -> Path:
@@ -38,7 +39,8 @@ def load_library(source: Path, compiler: str = "c++", march: str = "native") -> 
     """Builds source (once per source, flags and CPU) and loads it; RuntimeError if it cannot.
     march: the compiler's target, e.g. x86-64-v3 (AVX2) to check another machine's build here."""
     flags = [*compile_flags(march), *LINK_FLAGS]
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + cpu_identity()).hexdigest()
+    headers = b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + cpu_identity()).hexdigest()
     path = kernel_cache_dir() / f"{source.stem}-{key[:16]}.so"
     try:
         if not path.exists():

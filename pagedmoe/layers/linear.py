@@ -3,6 +3,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedmoe.cpu_info import can_prepack_bf16
+from pagedmoe.layers import cpu_linear
+from pagedmoe.layers.activation import silu_and_mul
 
 PACK_MIN_BYTES = 1 << 20  # smaller weights stay in a core's L2, where MKL's per-call packing is cheap and
 #                           oneDNN's call overhead (~11 us more at one row) is not
@@ -30,12 +32,30 @@ class Linear(nn.Linear):
     """nn.Linear that can run on a pre-packed copy of its weight (`pack`, after the weights are loaded)."""
 
     packed_weight: torch.Tensor | None = None
+    cpu_kernel: cpu_linear.CpuLinear | None = None
+    cpu_kernel_kind = "linear"
 
     def pack(self, min_bytes: int = 0):
         if can_pack(self.weight) and nbytes(self.weight) >= min_bytes:
             self.packed_weight = pack_weight(self.weight)
 
+    gated = False  # GateUpLinear: the kernel applies silu(gate) * up itself
+
+    def use_cpu_kernel(self, min_bytes: int = 0) -> bool:
+        """Runs decode-sized inputs through the CPU tile-GEMM kernel and larger ones through MKL (as fast as
+        oneDNN's packed copy there), so the weight is held twice, not three times. False where it does not
+        apply (dtype, shape, a weight under min_bytes)."""
+        panel = cpu_linear.load_library().linear_panel()
+        if cpu_linear.unsupported_reason(self.weight, panel) or self.weight.dtype not in cpu_linear.MAX_ROWS:
+            return False
+        if nbytes(self.weight) < min_bytes or self.gated and self.bias is not None:
+            return False
+        self.cpu_kernel, self.packed_weight = cpu_linear.CpuLinear(self.weight, gated=self.gated), None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel is not None and self.cpu_kernel.fits(x):
+            return self.cpu_kernel(x, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight, self.bias)
@@ -44,8 +64,8 @@ class Linear(nn.Linear):
 class MergedLinear(Linear):
     """One matmul for several HF projections (q/k/v, gate/up); each checkpoint tensor loads into its row range."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, **factory):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, **factory)
         self.shard_offsets, offset = {}, 0
         for shard, size in shard_sizes.items():
             self.shard_offsets[shard] = (offset, size)
@@ -59,6 +79,20 @@ class MergedLinear(Linear):
         target.data[offset:offset + size].copy_(tensor)
 
 
+class GateUpLinear(MergedLinear):
+    """The gate and up projections of a SiLU-gated MLP in one matmul, returning silu(gate) * up."""
+
+    gated = True
+
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool = False, **factory):
+        super().__init__(in_features, {"gate": intermediate_size, "up": intermediate_size}, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel is not None and self.cpu_kernel.fits(x):
+            return self.cpu_kernel(x)
+        return silu_and_mul(super().forward(x))
+
+
 def nbytes(weight: torch.Tensor) -> int:
     return weight.numel() * weight.element_size()
 
@@ -69,3 +103,12 @@ def pack_weights(model: nn.Module):
     for module in model.modules():
         if hasattr(module, "pack"):
             module.pack(PACK_MIN_BYTES)
+
+
+def attach_cpu_kernels(model: nn.Module, kinds: set[str], min_bytes: int | None = None) -> int:
+    """Gives every layer of these kinds ("linear", "moe") that a CPU tile kernel can run, and whose weight
+    matrices are at least min_bytes (default PACK_MIN_BYTES), its packed copy; returns how many.
+    RuntimeError where the kernels cannot be built."""
+    min_bytes = PACK_MIN_BYTES if min_bytes is None else min_bytes
+    layers = [m for m in model.modules() if getattr(m, "cpu_kernel_kind", None) in kinds]
+    return sum(layer.use_cpu_kernel(min_bytes) for layer in layers)

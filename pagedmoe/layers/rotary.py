@@ -4,6 +4,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedmoe.layers import cpu_ops
+
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = config.rope_parameters
@@ -30,6 +32,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if cpu_ops.can_rotate(q, positions, self.cos) and cpu_ops.can_rotate(k, positions, self.cos):
+            return cpu_ops.rotary_(q, positions, self.cos, self.sin), cpu_ops.rotary_(k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -2,6 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedmoe.layers import cpu_ops
+
 
 @dataclass
 class SamplingBatch:
@@ -46,7 +48,7 @@ class Sampler:
         logits = apply_penalties(logits, batch)
         if batch.banned is not None:
             logits = logits.masked_fill(batch.banned, float("-inf"))
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy(logits)
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)
             token_ids = torch.where(batch.temperature == 0, token_ids, sampled)
@@ -56,6 +58,11 @@ class Sampler:
         temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
         probs = filter_top_k_top_p_min_p(logits / temperature[:, None], batch).softmax(dim=-1)
         return (probs / exponential_noise(probs, batch.generators, self.generator)).argmax(dim=-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    token_ids = cpu_ops.greedy_argmax(logits)
+    return logits.argmax(dim=-1) if token_ids is None else token_ids
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

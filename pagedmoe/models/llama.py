@@ -3,8 +3,7 @@ from torch import nn
 
 from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.attention.torch_backend import TorchPagedAttention
-from pagedmoe.layers.linear import Linear, MergedLinear
-from pagedmoe.layers.moe.fused_moe import silu_and_mul
+from pagedmoe.layers.linear import GateUpLinear, Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -54,11 +53,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -9,8 +9,7 @@ from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
-from pagedmoe.layers.linear import pack_weights
-from pagedmoe.layers.moe.cpu_kernel import attach_cpu_kernels
+from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
 from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
@@ -42,8 +41,8 @@ class ModelRunner:
         self.model = load_model(config)
         if config.prepack_weights:
             pack_weights(self.model)
-        if config.cpu_moe_kernel and self.device.type == "cpu":
-            self._attach_moe_kernels()
+        if self.device.type == "cpu":
+            self._attach_cpu_kernels()
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
@@ -57,11 +56,13 @@ class ModelRunner:
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
 
-    def _attach_moe_kernels(self):
+    def _attach_cpu_kernels(self):
+        kinds = {kind for kind, on in (("linear", self.config.cpu_linear_kernel),
+                                       ("moe", self.config.cpu_moe_kernel)) if on}
         try:
-            attach_cpu_kernels(self.model)
+            attach_cpu_kernels(self.model, kinds)
         except RuntimeError as error:
-            logger.warning("MoE layers fall back to the expert loop: %s", error)
+            logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
         if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:

@@ -4,7 +4,7 @@ import torch
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.layers import linear
+from pagedmoe.layers import cpu_ops, linear
 from pagedmoe.layers.attention import cpu_kernel, metadata
 
 NUM_NEW = 32
@@ -43,12 +43,30 @@ def test_greedy_matches_hf(reference, scenario):
 
 @pytest.mark.parametrize("prepack", [True, False])
 def test_greedy_matches_hf_with_and_without_packed_weights(reference, monkeypatch, prepack):
-    """Tiny weights fall under PACK_MIN_BYTES; lowered to 0, every linear runs on oneDNN packed weights."""
+    """Tiny weights fall under PACK_MIN_BYTES; lowered to 0, every linear runs on oneDNN packed weights (the
+    CPU linear kernel, which replaces them where it applies, off)."""
     monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
     path, prompts, expected = reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, prepack_weights=prepack)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, prepack_weights=prepack, cpu_linear_kernel=False)
     assert (llm.engine.runner.model.lm_head.packed_weight is not None) == (
         prepack and torch.backends.mkldnn.is_available())
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_greedy_matches_hf_with_and_without_cpu_linear_kernel_and_fused_ops(reference, monkeypatch, fused):
+    """Every linear on the tile-GEMM kernel (PACK_MIN_BYTES lowered to 0) and RMSNorm, rotary and greedy
+    argmax on the fused pointwise kernels; or all of them in PyTorch."""
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu_ops, "enabled", fused)
+    path, prompts, expected = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_linear_kernel=fused, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    assert (model.lm_head.cpu_kernel is not None) == fused
+    assert (model.layers[0].self_attn.qkv_proj.cpu_kernel is not None) == fused
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

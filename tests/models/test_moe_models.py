@@ -67,8 +67,10 @@ def test_moe_greedy_matches_hf_on_packed_weights(moe_reference, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_moe_greedy_matches_hf_with_and_without_cpu_moe_kernel(moe_reference, kernel):
-    """The kernel runs the decode steps (and the small prefill chunks); larger batches take the expert loop."""
+def test_moe_greedy_matches_hf_with_and_without_cpu_moe_kernel(moe_reference, monkeypatch, kernel):
+    """The kernel runs the decode steps (and the small prefill chunks); larger batches take the expert loop.
+    Tiny experts fall under PACK_MIN_BYTES; lowered to 0, every MoE layer gets the kernel."""
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
     path, _, prompts, expected = moe_reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_moe_kernel=kernel, max_num_batched_tokens=64)
     assert all((moe.cpu_experts is not None) == kernel for moe in llm.engine.runner.model.moe_layers)

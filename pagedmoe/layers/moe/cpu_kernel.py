@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_linear import in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
@@ -24,27 +25,6 @@ def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
 
 class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("num_tokens", "top_k", "num_experts", "hidden", "inter")]
-
-
-def pack_gate_up(w13: Tensor, panel: int) -> Tensor:
-    """[E, 2I, H] (gate rows, then up rows) -> [E, I / (panel / 2), H, panel]: each panel's first half is
-    panel / 2 gate columns, its second half the matching up columns, K-major so a tile is one stream."""
-    num_experts, two_inter, hidden = w13.shape
-    half = panel // 2
-    gate, up = (w.reshape(num_experts, two_inter // 2 // half, half, hidden) for w in w13.chunk(2, dim=1))
-    return torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()
-
-
-def pack_down(w2: Tensor, panel: int) -> Tensor:
-    """[E, H, I] -> [E, H / panel, I, panel]."""
-    num_experts, hidden, inter = w2.shape
-    return w2.reshape(num_experts, hidden // panel, panel, inter).transpose(2, 3).contiguous()
-
-
-def in_k_pairs(packed: Tensor) -> Tensor:
-    """[..., K, panel] -> [..., K / 2, panel, 2], the layout of avx512_bf16's pair dot products."""
-    *outer, k, panel = packed.shape
-    return packed.reshape(*outer, k // 2, 2, panel).transpose(-1, -2).contiguous()
 
 
 def unsupported_reason(w13: Tensor, w2: Tensor, panel: int) -> str | None:
@@ -69,7 +49,7 @@ class CpuFusedMoE:
         self.fn.restype = None
         self.num_experts, self.hidden, self.inter = w2.shape
         self.max_pairs = MAX_ROWS_PER_EXPERT[w13.dtype] * self.num_experts
-        self.w13, self.w2 = pack_gate_up(w13.detach(), panel), pack_down(w2.detach(), panel)
+        self.w13, self.w2 = pack_gate_up(w13.detach(), panel), pack_panels(w2.detach(), panel)
         if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
             self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
 
@@ -88,8 +68,3 @@ class CpuFusedMoE:
         self.fn(*pointers, shape, ctypes.c_int(torch.get_num_threads()))
         return out
 
-
-def attach_cpu_kernels(model: torch.nn.Module) -> int:
-    """Gives every MoE layer the kernel can run (FusedMoE.use_cpu_kernel) its packed copy; returns how many.
-    RuntimeError where the kernel cannot be built."""
-    return sum(module.use_cpu_kernel() for module in model.modules() if hasattr(module, "use_cpu_kernel"))

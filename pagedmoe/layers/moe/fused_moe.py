@@ -5,28 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedmoe.layers.activation import ACTIVATIONS, silu_and_mul, swigluoai_and_mul  # noqa: F401 (re-exported)
 from pagedmoe.layers.linear import packed_linear
-
-SWIGLU_ALPHA = 1.702
-SWIGLU_LIMIT = 7.0
-
-
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    if torch.is_grad_enabled():
-        return F.silu(gate) * up
-    return F.silu(gate).mul_(up)
-
-
-def swigluoai_and_mul(gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=SWIGLU_LIMIT)
-    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
-    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
-
-
-ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul}
-
 
 def expert_counts(topk_ids: Tensor, num_experts: int) -> Tensor:
     return torch.bincount(topk_ids.flatten(), minlength=num_experts)

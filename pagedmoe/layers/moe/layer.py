@@ -62,13 +62,16 @@ class FusedMoE(nn.Module):
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
 
     cpu_experts: CpuFusedMoE | None = None
+    cpu_kernel_kind = "moe"
 
-    def use_cpu_kernel(self) -> bool:
+    def use_cpu_kernel(self, min_bytes: int = 0) -> bool:
         """Runs decode-sized batches through the CPU fused-MoE kernel, and larger ones through the unpacked
         expert loop (as fast as oneDNN's packed copies there), so the weights are held twice, not three times.
         False where the kernel does not apply (activation, biases, shapes)."""
         panel = load_library().fused_moe_panel()
         if self.activation != "silu" or self.w13_bias is not None or unsupported_reason(self.w13, self.w2, panel):
+            return False
+        if nbytes(self.w2[0]) < min_bytes:
             return False
         self.cpu_experts, self.packed_experts = CpuFusedMoE(self.w13, self.w2), None
         return True

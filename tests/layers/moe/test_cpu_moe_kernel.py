@@ -7,7 +7,8 @@ import torch
 from conftest import missing_for
 from pagedmoe import cpu_info
 from pagedmoe.layers.moe import cpu_kernel
-from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, attach_cpu_kernels
+from pagedmoe.layers.linear import attach_cpu_kernels
+from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
 from pagedmoe.layers.moe.fused_moe import fused_experts
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.routers import RouterConfig
@@ -95,7 +96,7 @@ def test_the_layer_uses_the_kernel_for_small_batches_and_the_loop_for_large():
     x_small, x_large = torch.randn(3, HIDDEN), torch.randn(400, HIDDEN)
     with torch.inference_mode():
         expected = [layer(x) for x in (x_small, x_large)]
-        assert attach_cpu_kernels(layer) == 1 and layer.cpu_experts is not None
+        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1 and layer.cpu_experts is not None
         calls = []
         layer.cpu_experts.fn = record_calls(layer.cpu_experts.fn, calls)
         for x, ref in zip((x_small, x_large), expected):
@@ -113,7 +114,7 @@ def record_calls(fn, calls):
 @pytest.mark.parametrize("kwargs", [dict(activation="swigluoai"), dict(expert_bias=True)])
 def test_layers_it_cannot_run_keep_the_expert_loop(kwargs):
     layer = moe_layer(**kwargs)
-    assert attach_cpu_kernels(layer) == 0 and layer.cpu_experts is None
+    assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 0 and layer.cpu_experts is None
 
 
 def test_native_build_matches_the_cpu():

@@ -9,129 +9,18 @@
 // weights are one contiguous stream. Plain C++ with GCC vector types: the compiler emits AVX-512 or AVX2
 // (or SSE) for the target it is built for; bf16 uses avx512_bf16's dot products where the target has them
 // and is widened with integer shifts where it does not.
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
-#include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+
+#include "../../csrc/tile_gemm.h"
 
 namespace {
 
-struct BF16 { uint16_t bits; };
-
-#if defined(__AVX512F__)
-constexpr int VLEN = 16, MAX_ROWS = 8;  // 16 accumulators of 32 registers
-#else
-constexpr int VLEN = 8, MAX_ROWS = 6;  // 12 accumulators of 16 registers
-#endif
-constexpr int NV = 2, PANEL = NV * VLEN, HALF = PANEL / 2;
-// The hardware prefetcher alone leaves the stream at half the memory bandwidth once a tile has 4+ rows of
-// FMAs per weight; prefetching 16 KB ahead into L2 (measured: 8-32 KB similar) keeps it near the peak.
-constexpr int64_t PREFETCH_BYTES = 16 * 1024;
+using namespace tile_gemm;
 constexpr int64_t TASK_BYTES = 512 * 1024;  // weights per task: small enough for 2 threads to balance
-
-typedef float fvec __attribute__((vector_size(VLEN * 4)));
-typedef uint16_t hvec __attribute__((vector_size(VLEN * 2)));
-typedef uint32_t uvec __attribute__((vector_size(VLEN * 4)));
-
-inline float to_float(float x) { return x; }
-inline float to_float(BF16 x) {
-    uint32_t u = uint32_t(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-inline fvec load(const float *p) {
-    fvec v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-inline fvec load(const BF16 *p) {
-    hvec h;
-    std::memcpy(&h, p, sizeof h);
-    const uvec u = __builtin_convertvector(h, uvec) << 16;
-    fvec v;
-    std::memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-inline void store(float &dst, float x) { dst = x; }
-inline void store(BF16 &dst, float x) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    dst.bits = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 struct Shape {
     int64_t num_tokens, top_k, num_experts, hidden, inter;
 };
-
-// acc[M][PANEL] = rows a[0..M) (K values each) times one packed panel b ([K][PANEL]).
-template <int M, typename A, typename W>
-void panel_tile(const A *const *a, const W *b, int64_t K, float *acc) {
-    fvec c[M][NV] = {};
-    for (int64_t k = 0; k < K; k++) {
-        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
-        for (int line = 0; line < int(PANEL * sizeof(W)); line += 64) __builtin_prefetch(ahead + line, 0, 2);
-        fvec bv[NV];
-        for (int v = 0; v < NV; v++) bv[v] = load(b + k * PANEL + v * VLEN);
-        for (int m = 0; m < M; m++) {
-            const float av = to_float(a[m][k]);
-            for (int v = 0; v < NV; v++) c[m][v] += av * bv[v];
-        }
-    }
-    for (int m = 0; m < M; m++)
-        for (int v = 0; v < NV; v++) std::memcpy(acc + m * PANEL + v * VLEN, &c[m][v], sizeof(fvec));
-}
-
-#if defined(__AVX512BF16__)
-constexpr bool PAIRS = true;
-// The same tile with avx512_bf16's dot products of k-pairs: b is packed [K / 2][PANEL][2], so one
-// instruction does 2 k-steps of 16 columns, with no widening of the weights.
-template <int M>
-void panel_tile_pairs(const BF16 *const *a, const BF16 *b, int64_t K, float *acc) {
-    __m512 c[M][NV];
-    for (int m = 0; m < M; m++)
-        for (int v = 0; v < NV; v++) c[m][v] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 2) {
-        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
-        for (int line = 0; line < int(2 * PANEL * sizeof(BF16)); line += 64) __builtin_prefetch(ahead + line, 0, 2);
-        __m512bh bv[NV];
-        for (int v = 0; v < NV; v++) bv[v] = (__m512bh)_mm512_loadu_si512(b + k * PANEL + v * 2 * VLEN);
-        for (int m = 0; m < M; m++) {
-            uint32_t pair;
-            std::memcpy(&pair, a[m] + k, sizeof pair);
-            const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pair));
-            for (int v = 0; v < NV; v++) c[m][v] = _mm512_dpbf16_ps(c[m][v], av, bv[v]);
-        }
-    }
-    for (int m = 0; m < M; m++)
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + m * PANEL + v * VLEN, c[m][v]);
-}
-#else
-constexpr bool PAIRS = false;
-template <int M>
-void panel_tile_pairs(const BF16 *const *, const BF16 *, int64_t, float *) {}
-#endif
-
-template <typename A, typename W, int... Ms>
-void tile_of(int rows, const A *const *a, const W *b, int64_t K, float *acc,
-             std::integer_sequence<int, Ms...>) {
-    if constexpr (PAIRS && std::is_same_v<A, BF16> && std::is_same_v<W, BF16>)
-        ((rows == Ms + 1 ? panel_tile_pairs<Ms + 1>(a, b, K, acc) : void()), ...);
-    else
-        ((rows == Ms + 1 ? panel_tile<Ms + 1>(a, b, K, acc) : void()), ...);
-}
-
-template <typename A, typename W>
-void tile(int rows, const A *const *a, const W *b, int64_t K, float *acc) {
-    tile_of(rows, a, b, K, acc, std::make_integer_sequence<int, MAX_ROWS>{});
-}
 
 struct Buckets {
     std::vector<int64_t> start, pairs;  // expert e's pairs (token * top_k + slot): pairs[start[e]:start[e+1]]
@@ -174,8 +63,6 @@ void for_each_row_block(const Buckets &b, const Task &t, int64_t j, const A *x, 
         fn(n, r, acc);
     }
 }
-
-inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 template <typename A, typename W>
 void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, A *inter, int num_threads) {

@@ -1,0 +1,101 @@
+"""The CPU tile-GEMM linear (csrc/linear.cpp) for decode-sized inputs: it streams the weight once per call at
+close to the memory bandwidth, where oneDNN's small-M kernels reach about half. Built and loaded by
+cpu_build.py; RuntimeError where it cannot be, and Linear then keeps oneDNN / MKL."""
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pagedmoe.layers import cpu_build
+
+SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
+ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+# Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
+# even at 128); bfloat16 is not routed here: oneDNN's AMX kernels are faster from a few rows on.
+MAX_ROWS = {torch.float32: 96}
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
+    return cpu_build.load_library(SOURCE, compiler, march)
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "out_features", "in_features")]
+
+
+def pack_panels(weight: Tensor, panel: int) -> Tensor:
+    """[..., N, K] -> [..., N / panel, K, panel]: a panel's weights in the order one tile streams them."""
+    *outer, n, k = weight.shape
+    return weight.reshape(*outer, n // panel, panel, k).transpose(-1, -2).contiguous()
+
+
+def pack_gate_up(gate_up: Tensor, panel: int) -> Tensor:
+    """[..., 2I, K] (gate rows, then up rows) -> [..., I / (panel / 2), K, panel]: each panel's first half
+    is panel / 2 gate columns, its second half the matching up columns."""
+    *outer, two_inter, k = gate_up.shape
+    half = panel // 2
+    gate, up = (w.reshape(*outer, two_inter // 2 // half, half, k) for w in gate_up.chunk(2, dim=-2))
+    return torch.cat([gate, up], dim=-2).transpose(-1, -2).contiguous()
+
+
+def in_k_pairs(packed: Tensor) -> Tensor:
+    """[..., K, panel] -> [..., K / 2, panel, 2], the layout of avx512_bf16's pair dot products."""
+    *outer, k, panel = packed.shape
+    return packed.reshape(*outer, k // 2, 2, panel).transpose(-1, -2).contiguous()
+
+
+def pack_for(library: ctypes.CDLL, weight: Tensor, panel: int, gated: bool = False) -> Tensor:
+    packed = (pack_gate_up if gated else pack_panels)(weight.detach(), panel)
+    return in_k_pairs(packed) if weight.dtype == torch.bfloat16 and library.linear_bf16_pairs() else packed
+
+
+def unsupported_reason(weight: Tensor, panel: int) -> str | None:
+    if weight.dtype not in ENTRY_POINTS or weight.device.type != "cpu" or weight.dim() != 2:
+        return f"the CPU linear kernel runs 2-D float32 and bfloat16 CPU weights, got {weight.dtype} on {weight.device}"
+    if weight.shape[0] % panel or weight.shape[1] % 2:  # gated: 2I % panel, i.e. I % (panel / 2)
+        return f"the CPU linear kernel needs out_features % {panel} == 0 and even in_features"
+    return None
+
+
+def _threads() -> ctypes.c_int:
+    return ctypes.c_int(torch.get_num_threads())
+
+
+class CpuLinear:
+    """F.linear(x, weight, bias) from a copy of weight [N, K] packed at construction; gated: weight is a
+    gate_up [2I, K] and the call returns silu(x gate^T) * (x up^T), [..., I] (no bias)."""
+
+    def __init__(self, weight: Tensor, library: ctypes.CDLL | None = None, max_rows: int | None = None,
+                 gated: bool = False):
+        library = library if library is not None else load_library()
+        panel = library.linear_panel()
+        if reason := unsupported_reason(weight, panel):
+            raise ValueError(reason)
+        self.gated = gated
+        self.fn = getattr(library, ("gated_" if gated else "") + ENTRY_POINTS[weight.dtype])
+        self.fn.restype = None
+        self.out_features, self.in_features = weight.shape[0] // (2 if gated else 1), weight.shape[1]
+        self.max_rows = max_rows if max_rows is not None else MAX_ROWS.get(weight.dtype, 0)
+        self.weight = pack_for(library, weight, panel, gated)
+
+    def fits(self, x: Tensor) -> bool:
+        """Whether x is decode-sized, where the kernel is the faster path (and no autograd)."""
+        return x.numel() <= self.max_rows * self.in_features and not (torch.is_grad_enabled() and x.requires_grad)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.dtype != self.weight.dtype or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must be {self.weight.dtype} [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        shape = Shape(rows.shape[0], self.out_features, self.in_features)
+        if self.gated:
+            self.fn(*(ctypes.c_void_p(t.data_ptr()) for t in (rows, self.weight, out)), shape, _threads())
+            return out.view(*x.shape[:-1], self.out_features)
+        bias_ptr = None if bias is None else bias.detach().to(x.dtype).contiguous()
+        pointers = [ctypes.c_void_p(t.data_ptr()) for t in (rows, self.weight)]
+        pointers += [ctypes.c_void_p(None if bias_ptr is None else bias_ptr.data_ptr()), ctypes.c_void_p(out.data_ptr())]
+        self.fn(*pointers, shape, _threads())
+        return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,83 @@
+"""Fused CPU pointwise ops (csrc/pointwise.cpp) for inference: RMSNorm, neox rotary in place and greedy
+argmax, each one pass over memory where eager PyTorch issues 5-12 ops. Every function returns None where
+the kernel does not apply (no kernel library, another device or dtype, autograd, odd layouts): the caller
+then runs its PyTorch code, which stays the reference the kernels are tested against."""
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pagedmoe.layers import cpu_build
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "pointwise.cpp"
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+enabled = True  # False: always the PyTorch code (tests compare the two)
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL | None:
+    try:
+        return cpu_build.load_library(SOURCE, compiler, march)
+    except RuntimeError as error:
+        logger.warning("pointwise ops fall back to PyTorch: %s", error)
+        return None
+
+
+def _library_for(*tensors: Tensor) -> ctypes.CDLL | None:
+    if not enabled or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if any(t.device.type != "cpu" or t.dtype not in SUFFIXES for t in tensors):
+        return None
+    return load_library()
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _threads() -> ctypes.c_int:
+    return ctypes.c_int(torch.get_num_threads())
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    library = _library_for(x, weight)
+    if library is None or weight.dtype != x.dtype:
+        return None
+    x = x.contiguous()  # q and k heads of the qkv output (Qwen3's norms) are views: one copy, not six ops
+    out = torch.empty_like(x)
+    fn = getattr(library, f"rms_norm_{SUFFIXES[x.dtype]}")
+    fn(_ptr(x), _ptr(weight.contiguous()), _ptr(out), ctypes.c_int64(x.numel() // x.shape[-1]),
+       ctypes.c_int64(x.shape[-1]), ctypes.c_float(eps), _threads())
+    return out
+
+
+def can_rotate(x: Tensor, positions: Tensor, cos: Tensor) -> bool:
+    """Whether rotary_ runs x in place: [tokens, heads, head_dim] with contiguous heads (a view into qkv is
+    fine), int64 positions, a float32 table."""
+    if _library_for(x) is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return False
+    return positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
+
+
+def rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox rotary of x in place (can_rotate(x) must hold); cos and sin: [max_positions, head_dim] float32
+    tables that cover every position."""
+    fn = getattr(load_library(), f"rotary_{SUFFIXES[x.dtype]}")
+    sizes = (x.shape[0], x.shape[1], x.stride(0), x.shape[2])
+    fn(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), *(ctypes.c_int64(n) for n in sizes), _threads())
+    return x
+
+
+def greedy_argmax(logits: Tensor) -> Tensor | None:
+    library = _library_for(logits)
+    if library is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous() \
+            or logits.shape[1] == 0:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library.greedy_argmax_f32(_ptr(logits), _ptr(out), ctypes.c_int64(logits.shape[0]),
+                              ctypes.c_int64(logits.shape[1]), _threads())
+    return out

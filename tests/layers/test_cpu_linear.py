@@ -1,0 +1,94 @@
+"""The CPU tile-GEMM linear (layers/csrc/linear.cpp) against F.linear in float64, built for each x86-64 level
+this CPU runs (AVX2, AVX-512) and natively (with avx512_bf16's pair dot products where the CPU has them)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import missing_for
+from pagedmoe.layers import cpu_linear
+from pagedmoe.layers.cpu_linear import CpuLinear
+from pagedmoe.layers.linear import GateUpLinear, Linear, attach_cpu_kernels
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def targets():
+    return [pytest.param(t, marks=pytest.mark.skipif(bool(missing_for(t)), reason=str(missing_for(t))))
+            for t in ("x86-64-v3", "x86-64-v4")] + ["native"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", targets())
+def test_matches_f_linear(target, dtype):
+    """Row counts cover one row, partial and full row blocks (6 on AVX2, 12 on AVX-512) and several."""
+    library = cpu_linear.load_library(march=target)
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    kernel = CpuLinear(weight, library, max_rows=64)
+    for rows in (1, 5, 12, 25, 64):
+        x = torch.randn(rows, 80, generator=g).to(dtype)
+        for b in (None, bias):
+            out = kernel(x, b)
+            assert out.dtype == dtype and out.shape == (rows, 96)
+            expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype], check_dtype=False)
+
+
+def test_keeps_leading_dimensions_and_rejects_what_it_cannot_run():
+    weight = torch.randn(64, 32)
+    out = CpuLinear(weight)(torch.randn(2, 3, 32))
+    assert out.shape == (2, 3, 64)
+    with pytest.raises(ValueError, match="out_features"):
+        CpuLinear(torch.randn(63, 32))
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        CpuLinear(weight.half())
+    with pytest.raises(ValueError, match="x must be"):
+        CpuLinear(weight)(torch.randn(2, 31))
+
+
+def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large():
+    torch.manual_seed(0)
+    layer = Linear(64, 128, bias=True)
+    small, large = torch.randn(4, 64), torch.randn(cpu_linear.MAX_ROWS[torch.float32] + 1, 64)
+    with torch.inference_mode():
+        expected = [layer(x) for x in (small, large)]
+        assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1
+        calls = []
+        fn = layer.cpu_kernel.fn
+        layer.cpu_kernel.fn = lambda *args: calls.append(args) or fn(*args)
+        for x, ref in zip((small, large), expected):
+            torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+
+
+def test_bfloat16_and_small_weights_keep_onednn():
+    """bf16 linears stay on oneDNN (its AMX kernels win from a few rows); weights under min_bytes stay too."""
+    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == 0
+    assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
+    assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", targets())
+def test_gated_form_matches_silu_and_mul(target, dtype):
+    """GateUpLinear's kernel: silu(x gate^T) * (x up^T) on the float32 tile, [rows, 2I] never written."""
+    library = cpu_linear.load_library(march=target)
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(2 * 48, 64, generator=g) * 0.3).to(dtype)
+    kernel = CpuLinear(gate_up, library, max_rows=64, gated=True)
+    for rows in (1, 7, 30):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        h = F.linear(x.double(), gate_up.double())
+        expected = F.silu(h[:, :48]) * h[:, 48:]
+        torch.testing.assert_close(kernel(x).double(), expected, **TOLERANCE[dtype], check_dtype=False)
+
+
+def test_gate_up_layer_with_and_without_the_kernel():
+    torch.manual_seed(0)
+    layer = GateUpLinear(64, 48)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        expected = F.silu(F.linear(x, layer.weight[:48])) * F.linear(x, layer.weight[48:])
+        torch.testing.assert_close(layer(x), expected)
+        assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1 and layer.cpu_kernel.gated
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
