@@ -58,7 +58,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
 def can_rotate(x: Tensor, positions: Tensor, cos: Tensor) -> bool:
     """Whether rotary_ runs x in place: [tokens, heads, head_dim] with contiguous heads (a view into qkv is
     fine), int64 positions, a float32 table."""
-    if _library_for(x) is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+    if _library_for(x) is None or not _heads_contiguous(x):
         return False
     return positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
 
@@ -70,6 +70,28 @@ def rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     sizes = (x.shape[0], x.shape[1], x.stride(0), x.shape[2])
     fn(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), *(ctypes.c_int64(n) for n in sizes), _threads())
     return x
+
+
+def _heads_contiguous(x: Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def write_kv(cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> bool:
+    """k and v ([tokens, kv_heads, head_dim], views into qkv are fine) into their slots of one layer's cache
+    ([2 * kv_heads, num_blocks, block_size, head_dim]); False, having written nothing, where it does not apply.
+    The slots must lie in the cache (the scheduler's slot mapping does)."""
+    library = _library_for(cache, k, v)
+    if library is None or not (k.dtype == v.dtype == cache.dtype) or not cache.is_contiguous():
+        return False
+    if not (_heads_contiguous(k) and _heads_contiguous(v)) or k.shape != v.shape or slots.dtype != torch.int64:
+        return False
+    if cache.shape[0] != 2 * k.shape[1] or cache.shape[-1] != k.shape[2] or not slots.is_contiguous():
+        return False
+    fn = getattr(library, f"write_kv_{SUFFIXES[k.dtype]}")
+    sizes = (k.stride(0), v.stride(0))
+    fn(_ptr(k), _ptr(v), *map(ctypes.c_int64, sizes), _ptr(slots), _ptr(cache),
+       *map(ctypes.c_int64, (k.shape[0], k.shape[1], k.shape[2], cache.shape[1] * cache.shape[2])))
+    return True
 
 
 def greedy_argmax(logits: Tensor) -> Tensor | None:

@@ -76,3 +76,19 @@ def test_ops_fall_back_where_the_kernels_do_not_apply():
     assert cpu_ops.rms_norm(torch.randn(3, 8).half(), torch.ones(8).half(), 1e-6) is None
     assert cpu_ops.greedy_argmax(torch.randn(3, 8).bfloat16()) is None
     assert cpu_ops.greedy_argmax(torch.randn(3, 0)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy_from_qkv_views(dtype):
+    torch.manual_seed(0)
+    qkv = torch.randn(5, (4 + 2 + 2) * 32).to(dtype)
+    _, k, v = views(qkv)
+    slots = torch.tensor([0, 17, 3, 63, 40])
+    cache = torch.zeros(2 * 2, 4, 16, 32, dtype=dtype)
+    expected = cache.clone()
+    for half, new in zip(expected.split(2), (k, v)):
+        half.view(2, -1, 32).index_copy_(1, slots, new.transpose(0, 1))
+    assert cpu_ops.write_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+    assert not cpu_ops.write_kv(cache, k.float() if dtype == torch.bfloat16 else k.bfloat16(), v, slots)
+    assert not cpu_ops.write_kv(cache, k, v, slots.int())

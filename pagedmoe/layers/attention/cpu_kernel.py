@@ -36,10 +36,14 @@ class PagedDecodeKernel:
         self.fn.restype = None
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, tables_checked: bool = False) -> torch.Tensor:
+        """tables_checked: check_tables already passed for these tables and this cache's shape (once per step,
+        not once per layer)."""
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = cache.shape[0] // 2
         _check(q, cache, block_tables, seq_lens, self.dtype)
+        if not tables_checked:
+            check_tables(block_tables, seq_lens, cache.shape[1], cache.shape[2])
         out = torch.empty_like(q)
         shape = Shape(num_seqs, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
                       cache.shape[1], cache.shape[2], head_dim)
@@ -59,7 +63,12 @@ def _check(q, cache, block_tables, seq_lens, dtype):
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of shape {tuple(cache.shape)}")
     if len(seq_lens) != q.shape[0] or block_tables.shape[0] != q.shape[0]:
         raise ValueError("q, block_tables and seq_lens must have one row per sequence")
-    if q.shape[0] and not (0 < int(seq_lens.min()) and int(seq_lens.max()) <= block_tables.shape[1] * cache.shape[2]):
+
+
+def check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int):
+    """The values the kernel indexes by: every seq_len in [1, blocks per table * block_size], every block id
+    in [0, num_blocks)."""
+    if len(seq_lens) and not (0 < int(seq_lens.min()) and int(seq_lens.max()) <= block_tables.shape[1] * block_size):
         raise ValueError("seq_lens must be >= 1 and within the block tables")
-    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < cache.shape[1]:
-        raise ValueError(f"block_tables: block ids must be in [0, {cache.shape[1]})")
+    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+        raise ValueError(f"block_tables: block ids must be in [0, {num_blocks})")

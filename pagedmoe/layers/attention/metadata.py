@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
+from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel, check_tables
 from pagedmoe.memory import empty_huge
 
 
@@ -72,6 +72,9 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
     groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
                            plan_chunks=decode_kernel is None)
               for sel in (is_decode, ~is_decode) if sel.any()]
+    if decode_kernel is not None:  # once per step: the kernel then skips the check in each layer
+        for group in (g for g in groups if g.is_decode):
+            check_tables(group.block_tables, group.seq_lens_tensor, kv_caches.shape[2], block_size)
     return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace, decode_kernel)
 
 

@@ -1,6 +1,8 @@
 import torch
 import torch.nn.functional as F
 
+from pagedmoe.layers import cpu_ops
+
 from pagedmoe.layers.attention.metadata import AttentionGroup, AttentionMetadata, DecodeChunk, Workspace
 
 
@@ -19,8 +21,13 @@ class TorchPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         cache = meta.kv_caches[self.layer_idx]
-        for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
-            half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
+        if not cpu_ops.write_kv(cache, k, v, meta.slot_mapping):
+            for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
+                half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
+        if meta.decode_kernel is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
+            group = meta.groups[0]  # every token a decode, in sequence order: no gather, no scatter
+            return meta.decode_kernel(q.contiguous(), cache, group.block_tables, group.seq_lens_tensor, self.scale,
+                                      tables_checked=True)
         rows = cache.view(-1, cache.shape[2] * self.head_dim)
         out = torch.empty_like(q)
         for group in meta.groups:
@@ -38,7 +45,8 @@ class TorchPagedAttention:
     def _attend_decodes(self, q, cache, rows, group: AttentionGroup, meta: AttentionMetadata, out: torch.Tensor):
         if meta.decode_kernel is not None:
             index = group.token_index[:, 0]
-            out[index] = meta.decode_kernel(q[index], cache, group.block_tables, group.seq_lens_tensor, self.scale)
+            out[index] = meta.decode_kernel(q[index], cache, group.block_tables, group.seq_lens_tensor, self.scale,
+                                            tables_checked=True)
             return
         for chunk in group.decode_chunks:
             out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, meta.workspace)

@@ -48,6 +48,20 @@ void rotary(T *x, const int64_t *positions, const float *cos_table, const float 
     }
 }
 
+// New K and V rows into their cache slots: cache is [2 * kv_heads, head_slots, head_dim] (K heads, then V);
+// k and v are [tokens, kv_heads, head_dim] with rows k_stride / v_stride apart (views into qkv).
+template <typename T>
+void write_kv(const T *k, const T *v, int64_t k_stride, int64_t v_stride, const int64_t *slots, T *cache,
+              int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t head_slots) {
+    const size_t bytes = sizeof(T) * head_dim;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            std::memcpy(cache + (h * head_slots + slots[t]) * head_dim, k + t * k_stride + h * head_dim, bytes);
+            std::memcpy(cache + ((kv_heads + h) * head_slots + slots[t]) * head_dim, v + t * v_stride + h * head_dim,
+                        bytes);
+        }
+}
+
 // The first index of each row's maximum (the first NaN if the row has one), as torch.argmax. Two vectorized
 // passes (the max; whether any NaN, from the bits, since -ffast-math lets the compiler assume there is none),
 // then a scan that stops at the answer.
@@ -80,6 +94,11 @@ extern "C" void greedy_argmax_f32(const float *logits, int64_t *out, int64_t row
                                     int64_t tokens, int64_t heads, int64_t row_stride, int64_t head_dim,        \
                                     int num_threads) {                                                          \
         rotary(x, positions, cos, sin, tokens, heads, row_stride, head_dim, num_threads);                       \
+    }                                                                                                           \
+    extern "C" void write_kv_##SUFFIX(const T *k, const T *v, int64_t k_stride, int64_t v_stride,               \
+                                      const int64_t *slots, T *cache, int64_t tokens, int64_t kv_heads,         \
+                                      int64_t head_dim, int64_t head_slots) {                                   \
+        write_kv(k, v, k_stride, v_stride, slots, cache, tokens, kv_heads, head_dim, head_slots);               \
     }
 EXPORT(f32, float)
 EXPORT(bf16, BF16)

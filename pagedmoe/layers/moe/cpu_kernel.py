@@ -15,7 +15,7 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
 # Up to this many (token, expert) pairs per expert on average the kernel beats the oneDNN expert loop; above
 # it oneDNN's large-tile GEMMs (AMX for bf16) win: measured on a Sapphire Rapids, 8 experts, 768 -> 1024.
-MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 8}
+MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 16}
 
 
 @functools.cache
