@@ -1,4 +1,4 @@
-"""`pagedmoe bench {throughput,latency,serve,moe}`: one workload definition (bench/workload.py) shared by all."""
+"""`pagedmoe bench {throughput,latency,serve,moe,memory,kernels}`: one workload definition (bench/workload.py) shared by all."""
 import argparse
 import asyncio
 import importlib
@@ -177,7 +177,7 @@ def _setup_vllm(args):
 
 # subcommands with their own parser: argv after the name goes to their main() untouched (argparse's
 # REMAINDER would reject their --options)
-PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory"}
+PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory", "kernels": "pagedmoe.bench.cpu_kernels"}
 
 
 def _add_throughput(sub):
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.set_defaults(func=_setup_vllm)
     sub.add_parser("moe", help="MoE layer: 8 vs 64 experts at equal active parameters (own options)")
     sub.add_parser("memory", help="KV-cache utilization: paged vs static allocation (own options)")
+    sub.add_parser("kernels", help="CPU tile kernels vs oneDNN / MKL, linears and MoE layer (own options)")
     return parser
 
 

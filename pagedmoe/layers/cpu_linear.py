@@ -13,8 +13,9 @@ from pagedmoe.layers import cpu_build
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 # Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
-# even at 128); bfloat16 is not routed here: oneDNN's AMX kernels are faster from a few rows on.
+# even at 128); bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few rows on).
 MAX_ROWS = {torch.float32: 96}
+MAX_ROWS_AMX = 32
 
 
 @functools.cache
@@ -60,6 +61,15 @@ def unsupported_reason(weight: Tensor, panel: int) -> str | None:
     return None
 
 
+def uses_amx(library: ctypes.CDLL, weight: Tensor) -> bool:
+    """bf16 weights whose in_features fill whole AMX tiles (32), on a CPU and kernel that grant AMX."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and bool(library.linear_amx())
+
+
+def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:
+    return MAX_ROWS_AMX if on_amx else MAX_ROWS.get(dtype, 0)
+
+
 def _threads() -> ctypes.c_int:
     return ctypes.c_int(torch.get_num_threads())
 
@@ -74,11 +84,12 @@ class CpuLinear:
         panel = library.linear_panel()
         if reason := unsupported_reason(weight, panel):
             raise ValueError(reason)
-        self.gated = gated
-        self.fn = getattr(library, ("gated_" if gated else "") + ENTRY_POINTS[weight.dtype])
+        self.gated, self.on_amx = gated, uses_amx(library, weight)
+        name = "linear_amx_bf16" if self.on_amx else ENTRY_POINTS[weight.dtype]
+        self.fn = getattr(library, ("gated_" if gated else "") + name)
         self.fn.restype = None
         self.out_features, self.in_features = weight.shape[0] // (2 if gated else 1), weight.shape[1]
-        self.max_rows = max_rows if max_rows is not None else MAX_ROWS.get(weight.dtype, 0)
+        self.max_rows = max_rows if max_rows is not None else default_max_rows(weight.dtype, self.on_amx)
         self.weight = pack_for(library, weight, panel, gated)
 
     def fits(self, x: Tensor) -> bool:

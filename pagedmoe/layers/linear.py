@@ -46,11 +46,14 @@ class Linear(nn.Linear):
         oneDNN's packed copy there), so the weight is held twice, not three times. False where it does not
         apply (dtype, shape, a weight under min_bytes)."""
         panel = cpu_linear.load_library().linear_panel()
-        if cpu_linear.unsupported_reason(self.weight, panel) or self.weight.dtype not in cpu_linear.MAX_ROWS:
+        if cpu_linear.unsupported_reason(self.weight, panel) or nbytes(self.weight) < min_bytes:
             return False
-        if nbytes(self.weight) < min_bytes or self.gated and self.bias is not None:
+        if self.gated and self.bias is not None:
             return False
-        self.cpu_kernel, self.packed_weight = cpu_linear.CpuLinear(self.weight, gated=self.gated), None
+        kernel = cpu_linear.CpuLinear(self.weight, gated=self.gated)
+        if kernel.max_rows == 0:  # bf16 without AMX: oneDNN's kernels stay faster
+            return False
+        self.cpu_kernel, self.packed_weight = kernel, None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,20 @@ def test_matches_f_linear(target, dtype):
             torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype], check_dtype=False)
 
 
+@pytest.mark.skipif(not cpu_linear.load_library().linear_amx(), reason="no AMX bf16 tiles on this CPU")
+def test_amx_tiles_match_f_linear():
+    """Row blocks of up to 32 (two A tiles) on the tile unit, full and partial; K in 32-wide steps."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 96, generator=g).bfloat16()
+    bias = torch.randn(64, generator=g).bfloat16()
+    kernel = CpuLinear(weight)
+    assert kernel.on_amx and kernel.max_rows == cpu_linear.MAX_ROWS_AMX
+    for rows in (1, 9, 16, 17, 31, 32, 40, 64):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        expected = F.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(kernel(x, bias).double(), expected, **TOLERANCE[torch.bfloat16])
+
+
 def test_keeps_leading_dimensions_and_rejects_what_it_cannot_run():
     weight = torch.randn(64, 32)
     out = CpuLinear(weight)(torch.randn(2, 3, 32))
@@ -61,9 +75,11 @@ def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large():
     assert len(calls) == 1
 
 
-def test_bfloat16_and_small_weights_keep_onednn():
-    """bf16 linears stay on oneDNN (its AMX kernels win from a few rows); weights under min_bytes stay too."""
-    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == 0
+def test_bfloat16_takes_the_kernel_only_on_amx_and_small_weights_keep_onednn():
+    """bf16 linears run on AMX tiles where the CPU has them, else stay on oneDNN (its AMX kernels win from a few
+    rows over the vector tiles); weights under min_bytes stay too."""
+    on_amx = bool(cpu_linear.load_library().linear_amx())
+    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == int(on_amx)
     assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
     assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
 

@@ -1,10 +1,15 @@
 // out = x W^T (+ bias) for decode-sized x (a few dozen rows), where oneDNN's small-M kernels stream a packed
 // weight at about half the memory bandwidth and run their FMAs at about two thirds of the tile kernel's rate.
-// Tasks are groups of panels (PANEL output columns each) shared by the threads; every row block of the panel
-// runs while the panel is in L2, so the weight is streamed from memory once per call.
-// Weights are packed by pagedmoe/layers/cpu_linear.py as [N / PANEL, K, PANEL].
-// Shape.out_features is the output width: N, or I for the gated form.
+// Panels (PANEL output columns each) are shared by the threads; every row block of a panel runs while the
+// panel is in L2, so the weight is streamed from memory once per call.
+// Weights are packed by pagedmoe/layers/cpu_linear.py as [N / PANEL, K, PANEL] (bf16 in k-pairs where the
+// target has avx512_bf16). Shape.out_features is the output width: N, or I for the gated form.
+// With AMX (bf16), a row block of up to 32 rows is two A tiles sharing a panel's two B tiles per 32 k-steps.
 #include "tile_gemm.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -14,57 +19,159 @@ struct Shape {
     int64_t rows, out_features, in_features;
 };
 
-template <typename T>
-void linear(const T *x, const T *w, const T *bias, T *out, const Shape &s, int num_threads) {
-    const int64_t num_panels = s.out_features / PANEL, K = s.in_features;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t j = 0; j < num_panels; j++) {
-        const T *rows[MAX_ROWS];
-        float acc[MAX_ROWS * PANEL];
-        for (int64_t r = 0; r < s.rows; r += MAX_ROWS) {
-            const int n = int(std::min<int64_t>(MAX_ROWS, s.rows - r));
-            for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
-            tile(n, rows, w + j * K * PANEL, K, acc);
-            for (int m = 0; m < n; m++)
-                for (int c = 0; c < PANEL; c++)
-                    store(out[(r + m) * s.out_features + j * PANEL + c],
-                          acc[m * PANEL + c] + (bias ? to_float(bias[j * PANEL + c]) : 0.0f));
-        }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr bool HAS_AMX = true;
+constexpr int AMX_ROWS = 32;  // two A tiles of 16 rows share each pair of B tiles
+
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Per thread: tmm0 / tmm3 A [16 and rows - 16, 32 bf16], tmm1 / tmm2 B [16 k-pairs, 16 columns x 2],
+// tmm4 / tmm5 and tmm6 / tmm7 C [rows of each A tile, 16 columns].
+struct Amx {
+    int configured_rows = 0;
+
+    void configure(int rows) {
+        if (rows == configured_rows) return;
+        TileConfig c;
+        const int first = std::min(rows, 16), second = rows - first;
+        c.rows[0] = c.rows[4] = c.rows[5] = uint8_t(first);
+        c.rows[3] = c.rows[6] = c.rows[7] = uint8_t(second);
+        c.rows[1] = c.rows[2] = 16;
+        for (int t = 0; t < 8; t++) c.colsb[t] = c.rows[t] ? 64 : 0;
+        _tile_loadconfig(&c);
+        configured_rows = rows;
     }
+
+    // acc[rows][PANEL] = x [rows <= 32, K] (rows K apart) times a k-pair panel b [K / 2][PANEL][2]; K % 32 == 0.
+    void tile(int rows, const BF16 *x, const BF16 *b, int64_t K, float *acc) {
+        configure(rows);
+        if (rows > 16) return tile_of_two(x, b, K, acc);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t k = 0; k < K; k += 32) {
+            prefetch(b, k);
+            _tile_loadd(0, x + k, K * 2);
+            _tile_loadd(1, b + k * PANEL, PANEL * 4);
+            _tile_loadd(2, b + k * PANEL + 32, PANEL * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_dpbf16ps(5, 0, 2);
+        }
+        _tile_stored(4, acc, PANEL * 4);
+        _tile_stored(5, acc + 16, PANEL * 4);
+    }
+
+    void tile_of_two(const BF16 *x, const BF16 *b, int64_t K, float *acc) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t k = 0; k < K; k += 32) {
+            prefetch(b, k);
+            _tile_loadd(1, b + k * PANEL, PANEL * 4);
+            _tile_loadd(2, b + k * PANEL + 32, PANEL * 4);
+            _tile_loadd(0, x + k, K * 2);
+            _tile_loadd(3, x + 16 * K + k, K * 2);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_dpbf16ps(6, 3, 1);
+            _tile_dpbf16ps(7, 3, 2);
+        }
+        _tile_stored(4, acc, PANEL * 4);
+        _tile_stored(5, acc + 16, PANEL * 4);
+        _tile_stored(6, acc + 16 * PANEL, PANEL * 4);
+        _tile_stored(7, acc + 16 * PANEL + 16, PANEL * 4);
+    }
+
+    static void prefetch(const BF16 *b, int64_t k) {
+        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
+        for (int line = 0; line < 32 * PANEL * 2; line += 64) __builtin_prefetch(ahead + line, 0, 2);
+    }
+
+    ~Amx() {
+        if (configured_rows) _tile_release();
+    }
+};
+
+bool amx_ready() {  // Linux hands out the AMX tile state only on request, once per process
+    static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ready;
+}
+#else
+constexpr bool HAS_AMX = false;
+constexpr int AMX_ROWS = 1;
+struct Amx {
+    void tile(int, const BF16 *, const BF16 *, int64_t, float *) {}
+};
+bool amx_ready() { return false; }
+#endif
+
+// Calls epilogue(j, r, n, acc) for every panel j and row block [r, r + n) of x times the panels w: acc is the
+// block's float32 tile [n][PANEL]. AMX (bf16 only): 16-row blocks on the tile unit, else the vector tiles.
+template <bool AMX, typename T, typename Epilogue>
+void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, int num_threads, Epilogue epilogue) {
+    constexpr bool ON_TILES = AMX && HAS_AMX && std::is_same_v<T, BF16>;
+    constexpr int BLOCK = ON_TILES ? AMX_ROWS : MAX_ROWS;
+    const int64_t K = s.in_features;
+#pragma omp parallel num_threads(num_threads)
+    {
+        Amx amx;
+        const T *rows[MAX_ROWS];
+        alignas(64) float acc[std::max(AMX_ROWS, MAX_ROWS) * PANEL];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < num_panels; j++)
+            for (int64_t r = 0; r < s.rows; r += BLOCK) {
+                const int n = int(std::min<int64_t>(BLOCK, s.rows - r));
+                if constexpr (ON_TILES) {
+                    amx.tile(n, x + r * K, w + j * K * PANEL, K, acc);
+                } else {
+                    for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
+                    tile(n, rows, w + j * K * PANEL, K, acc);
+                }
+                epilogue(j, r, n, acc);
+            }
+    }
+}
+
+template <bool AMX, typename T>
+void linear(const T *x, const T *w, const T *bias, T *out, const Shape &s, int num_threads) {
+    for_each_tile<AMX>(x, w, s.out_features / PANEL, s, num_threads, [&](int64_t j, int64_t r, int n, const float *acc) {
+        for (int m = 0; m < n; m++)
+            for (int c = 0; c < PANEL; c++)
+                store(out[(r + m) * s.out_features + j * PANEL + c],
+                      acc[m * PANEL + c] + (bias ? to_float(bias[j * PANEL + c]) : 0.0f));
+    });
 }
 
 // out = silu(x G^T) * (x U^T) for a gate_up weight packed as gate-up panels (PANEL / 2 gate columns, then
 // the matching up columns): the activation runs on the float32 tile, and [rows, 2I] is never written.
-template <typename T>
+template <bool AMX, typename T>
 void gated_linear(const T *x, const T *w, T *out, const Shape &s, int num_threads) {
-    const int64_t num_panels = s.out_features / HALF, K = s.in_features;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t j = 0; j < num_panels; j++) {
-        const T *rows[MAX_ROWS];
-        float acc[MAX_ROWS * PANEL];
-        for (int64_t r = 0; r < s.rows; r += MAX_ROWS) {
-            const int n = int(std::min<int64_t>(MAX_ROWS, s.rows - r));
-            for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
-            tile(n, rows, w + j * K * PANEL, K, acc);
-            for (int m = 0; m < n; m++)
-                for (int c = 0; c < HALF; c++)
-                    store(out[(r + m) * s.out_features + j * HALF + c],
-                          silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
-        }
-    }
+    for_each_tile<AMX>(x, w, s.out_features / HALF, s, num_threads, [&](int64_t j, int64_t r, int n, const float *acc) {
+        for (int m = 0; m < n; m++)
+            for (int c = 0; c < HALF; c++)
+                store(out[(r + m) * s.out_features + j * HALF + c],
+                      silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
+    });
 }
 
 }  // namespace
 
 extern "C" int linear_panel() { return PANEL; }
 extern "C" int linear_bf16_pairs() { return PAIRS; }
+// 1 where bf16 linears can run on AMX tiles: built for them, and the kernel granted the tile state
+extern "C" int linear_amx() { return HAS_AMX && amx_ready(); }
 
-#define EXPORT(NAME, T)                                                                                   \
+#define EXPORT(NAME, T, AMX)                                                                              \
     extern "C" void NAME(const T *x, const T *w, const T *bias, T *out, Shape shape, int num_threads) { \
-        linear(x, w, bias, out, shape, num_threads);                                                      \
+        linear<AMX>(x, w, bias, out, shape, num_threads);                                                 \
     }                                                                                                     \
     extern "C" void gated_##NAME(const T *x, const T *w, T *out, Shape shape, int num_threads) {         \
-        gated_linear(x, w, out, shape, num_threads);                                                      \
+        gated_linear<AMX>(x, w, out, shape, num_threads);                                                 \
     }
-EXPORT(linear_f32, float)
-EXPORT(linear_bf16, BF16)
+EXPORT(linear_f32, float, false)
+EXPORT(linear_bf16, BF16, false)
+EXPORT(linear_amx_bf16, BF16, true)

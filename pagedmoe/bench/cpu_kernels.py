@@ -1,0 +1,131 @@
+"""The CPU tile kernels against the paths they replace, in one invocation: each linear shape of the 100M bench
+models at decode-sized row counts (oneDNN's packed GEMM, MKL on the plain weight, the tile kernel), and a
+12-layer MoE stack (the oneDNN expert loop, the plain expert loop, the fused kernel). Weights rotate over
+`--layers` copies so they come from memory, as in a decode step; each figure is the best of `--iters`,
+the paths interleaved so drift hits them alike."""
+# Not bench/kernels.py: vllm_driver.py runs from this folder, and transformers imports a package named "kernels".
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedmoe.cpu_info import describe_cpu
+from pagedmoe.layers.cpu_linear import CpuLinear
+from pagedmoe.layers.linear import pack_weight, packed_linear
+from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
+from pagedmoe.layers.moe.fused_moe import fused_experts
+from pagedmoe.layers.moe.layer import FusedMoE
+from pagedmoe.layers.moe.routers import RouterConfig, select_experts
+
+LINEAR_SHAPES = {"qkv": (1280, 768), "o_proj": (768, 768), "gate_up": (4096, 768), "down": (768, 2048),
+                 "lm_head": (32000, 768)}
+
+
+def best_of(fns: dict, iters: int) -> dict[str, float]:
+    """Seconds per call of each fn (one call covers every layer copy), best of iters, interleaved."""
+    best = dict.fromkeys(fns, float("inf"))
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()
+        for _ in range(iters):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def linear_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
+    packed = [pack_weight(w) for w in weights]
+    kernels = [CpuLinear(w, max_rows=x.shape[0]) for w in weights]
+    return {"onednn": lambda: [packed_linear(x, p) for p in packed],
+            "mkl": lambda: [F.linear(x, w) for w in weights],
+            "kernel": lambda: [k(x) for k in kernels]}
+
+
+def bench_linears(dtype: torch.dtype, rows: list[int], layers: int, iters: int) -> list[dict]:
+    results = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(layers if name != "lm_head" else 2)]
+        for m in rows:
+            seconds = best_of(linear_paths(weights, torch.randn(m, k).to(dtype)), iters)
+            results.append({"op": name, "rows": m, **{p: s / len(weights) * 1e3 for p, s in seconds.items()},
+                            "kernel_gflops": 2 * m * n * k / (seconds["kernel"] / len(weights)) / 1e9})
+    return results
+
+
+def moe_layers(dtype: torch.dtype, layers: int) -> list[tuple[FusedMoE, CpuFusedMoE]]:
+    torch.manual_seed(0)
+    stack = []
+    for _ in range(layers):
+        layer = FusedMoE(8, 768, 1024, RouterConfig(top_k=2, renormalize=True), dtype=dtype)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(std=0.02)
+        layer.pack()
+        stack.append((layer, CpuFusedMoE(layer.w13, layer.w2)))
+    return stack
+
+
+def moe_paths(stack, x: torch.Tensor) -> dict:
+    routes = [select_experts(layer.router, layer.router_logits(x), None) for layer, _ in stack]
+    pairs = list(zip(stack, routes))
+    return {"onednn": lambda: [fused_experts(x, m.w13, m.w2, *r, packed=m.packed_experts) for (m, _), r in pairs],
+            "loop": lambda: [fused_experts(x, m.w13, m.w2, *r, use_grouped_mm=False) for (m, _), r in pairs],
+            "kernel": lambda: [k(x, *r) for (_, k), r in pairs]}
+
+
+def bench_moe_stack(dtype: torch.dtype, tokens: list[int], layers: int, iters: int) -> list[dict]:
+    stack, results = moe_layers(dtype, layers), []
+    expert_bytes = sum(t.numel() for t in (stack[0][0].w13, stack[0][0].w2)) * stack[0][0].w13.element_size()
+    for m in tokens:
+        x = torch.randn(m, 768).to(dtype)
+        with torch.inference_mode():
+            seconds = best_of(moe_paths(stack, x), iters)
+        per_layer = {p: s / layers * 1e3 for p, s in seconds.items()}
+        results.append({"op": "moe", "tokens": m, **per_layer,
+                        "kernel_gb_per_s": expert_bytes / (per_layer["kernel"] / 1e3) / 1e9})
+    return results
+
+
+def format_lines(result: dict) -> list[str]:
+    lines = [f"machine: {result['machine']}, {result['threads']} threads"]
+    for dtype, part in result["dtypes"].items():
+        lines.append(f"{dtype} linears, ms per call (weights from memory):   onednn      mkl   kernel  kernel GFLOP/s")
+        lines += [f"  {r['op']:<8} rows {r['rows']:>4}  {r['onednn']:>28.3f} {r['mkl']:>8.3f} {r['kernel']:>8.3f}"
+                  f" {r['kernel_gflops']:>10.0f}" for r in part["linears"]]
+        lines.append(f"{dtype} MoE layer (8 experts 768 -> 1024, top-2), ms:  onednn     loop   kernel  all-expert GB/s")
+        lines += [f"  tokens {r['tokens']:>4}  {r['onednn']:>37.2f} {r['loop']:>8.2f} {r['kernel']:>8.2f}"
+                  f" {r['kernel_gb_per_s']:>10.1f}" for r in part["moe"]]
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagedmoe bench kernels", description=__doc__)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--output-json", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = {"machine": describe_cpu(), "threads": torch.get_num_threads(), "dtypes": {}}
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        result["dtypes"][name] = {"linears": bench_linears(dtype, args.rows, args.layers, args.iters),
+                                  "moe": bench_moe_stack(dtype, args.moe_tokens, args.layers, args.iters)}
+    print("\n".join(format_lines(result)))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

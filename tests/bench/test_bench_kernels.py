@@ -1,0 +1,18 @@
+"""`pagedmoe bench kernels` runs every path once on tiny settings and reports each figure (not their speed)."""
+import json
+
+from pagedmoe.bench import cpu_kernels as kernels
+from pagedmoe.bench.cli import main as bench_main
+
+
+def test_kernels_bench_reports_every_path(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    args = ["kernels", "--dtypes", "float32", "--rows", "3", "--moe-tokens", "5", "--layers", "1", "--iters", "1",
+            "--output-json", str(out)]
+    assert bench_main(args) == 0
+    result = json.loads(out.read_text())
+    linears, moe = result["dtypes"]["float32"]["linears"], result["dtypes"]["float32"]["moe"]
+    assert [r["op"] for r in linears] == list(kernels.LINEAR_SHAPES)
+    assert all(r[p] > 0 for r in linears for p in ("onednn", "mkl", "kernel"))
+    assert moe[0]["tokens"] == 5 and all(moe[0][p] > 0 for p in ("onednn", "loop", "kernel"))
+    assert "machine:" in capsys.readouterr().out
