@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pagedmoe.cpu_info import cpu_flags
 from pagedmoe.layers import cpu_build
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
@@ -62,8 +63,11 @@ def unsupported_reason(weight: Tensor, panel: int) -> str | None:
 
 
 def uses_amx(library: ctypes.CDLL, weight: Tensor) -> bool:
-    """bf16 weights whose in_features fill whole AMX tiles (32), on a CPU and kernel that grant AMX."""
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and bool(library.linear_amx())
+    """bf16 weights whose in_features fill whole AMX tiles (32), on a CPU (as cpu_info reports it, so
+    PAGEDMOE_CPU_FLAGS can take AMX away in tests) and kernel that grant AMX."""
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or "amx_bf16" not in cpu_flags():
+        return False
+    return bool(library.linear_amx())
 
 
 def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import missing_for
+from pagedmoe import cpu_info
 from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.cpu_linear import CpuLinear
 from pagedmoe.layers.linear import GateUpLinear, Linear, attach_cpu_kernels
@@ -34,7 +35,8 @@ def test_matches_f_linear(target, dtype):
             torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype], check_dtype=False)
 
 
-@pytest.mark.skipif(not cpu_linear.load_library().linear_amx(), reason="no AMX bf16 tiles on this CPU")
+@pytest.mark.skipif(not (cpu_linear.load_library().linear_amx() and "amx_bf16" in cpu_info.cpu_flags()),
+                    reason="no AMX bf16 tiles on this CPU")
 def test_amx_tiles_match_f_linear():
     """Row blocks of up to 32 (two A tiles) on the tile unit, full and partial; K in 32-wide steps."""
     g = torch.Generator().manual_seed(2)
@@ -46,6 +48,12 @@ def test_amx_tiles_match_f_linear():
         x = torch.randn(rows, 96, generator=g).bfloat16()
         expected = F.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(kernel(x, bias).double(), expected, **TOLERANCE[torch.bfloat16])
+
+
+def test_amx_follows_the_reported_cpu(monkeypatch):
+    """PAGEDMOE_CPU_FLAGS without amx_bf16 (another machine's ISA) keeps bf16 linears off the tiles."""
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16")
+    assert not CpuLinear(torch.randn(64, 64).bfloat16()).on_amx
 
 
 def test_keeps_leading_dimensions_and_rejects_what_it_cannot_run():
@@ -78,7 +86,7 @@ def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large():
 def test_bfloat16_takes_the_kernel_only_on_amx_and_small_weights_keep_onednn():
     """bf16 linears run on AMX tiles where the CPU has them, else stay on oneDNN (its AMX kernels win from a few
     rows over the vector tiles); weights under min_bytes stay too."""
-    on_amx = bool(cpu_linear.load_library().linear_amx())
+    on_amx = bool(cpu_linear.load_library().linear_amx()) and "amx_bf16" in cpu_info.cpu_flags()
     assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == int(on_amx)
     assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
     assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
