@@ -143,3 +143,9 @@ def missing_for(target: str) -> str | None:
     levels = list(X86_64_LEVELS)[:list(X86_64_LEVELS).index(target) + 1]
     missing = [f for level in levels for f in X86_64_LEVELS[level] if f not in cpu_info.detected_cpu_flags()]
     return f"{target} needs {missing[0]}" if missing else None
+
+
+def x86_targets() -> list:
+    """The -march targets a kernel test builds for: AVX2 and AVX-512 where this CPU runs them, and native."""
+    return [pytest.param(t, marks=pytest.mark.skipif(bool(missing_for(t)), reason=str(missing_for(t))))
+            for t in ("x86-64-v3", "x86-64-v4")] + ["native"]

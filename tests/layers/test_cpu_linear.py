@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import missing_for
+from conftest import x86_targets
 from pagedmoe import cpu_info
 from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.cpu_linear import CpuLinear
@@ -13,13 +13,8 @@ from pagedmoe.layers.linear import GateUpLinear, Linear, attach_cpu_kernels
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def targets():
-    return [pytest.param(t, marks=pytest.mark.skipif(bool(missing_for(t)), reason=str(missing_for(t))))
-            for t in ("x86-64-v3", "x86-64-v4")] + ["native"]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("target", x86_targets())
 def test_matches_f_linear(target, dtype):
     """Row counts cover one row, partial and full row blocks (6 on AVX2, 12 on AVX-512) and several."""
     library = cpu_linear.load_library(march=target)
@@ -93,7 +88,7 @@ def test_bfloat16_takes_the_kernel_only_on_amx_and_small_weights_keep_onednn():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("target", x86_targets())
 def test_gated_form_matches_silu_and_mul(target, dtype):
     """GateUpLinear's kernel: silu(x gate^T) * (x up^T) on the float32 tile, [rows, 2I] never written."""
     library = cpu_linear.load_library(march=target)

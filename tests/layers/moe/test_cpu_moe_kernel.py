@@ -4,7 +4,7 @@ has them, bf16 widened in integer code where it does not)."""
 import pytest
 import torch
 
-from conftest import missing_for
+from conftest import x86_targets
 from pagedmoe import cpu_info
 from pagedmoe.layers.moe import cpu_kernel
 from pagedmoe.layers.linear import attach_cpu_kernels
@@ -33,13 +33,8 @@ def exact(x, w13, w2, topk_weights, topk_ids):
     return fused_experts(*args, use_grouped_mm=False).float()
 
 
-def targets():
-    return [pytest.param(t, marks=pytest.mark.skipif(bool(missing_for(t)), reason=str(missing_for(t))))
-            for t in ("x86-64-v3", "x86-64-v4")] + ["native"]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("target", x86_targets())
 def test_matches_the_exact_expert_loop(target, dtype):
     """Token counts cover one row, a partial and a full row block (6 on AVX2, 8 on AVX-512) and several."""
     library = cpu_kernel.load_library(march=target if target != "native" else "native")

@@ -9,23 +9,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "../../csrc/tile_gemm.h"
+
 namespace {
 
-struct BF16 { uint16_t bits; };
-
-inline float to_float(float x) { return x; }
-inline float to_float(BF16 x) {
-    uint32_t u = uint32_t(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-inline void store(float &dst, float x) { dst = x; }
-inline void store(BF16 &dst, float x) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    dst.bits = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+using tile_gemm::BF16;
+using tile_gemm::store;
+using tile_gemm::to_float;
 
 struct Shape {
     int64_t num_seqs, max_blocks, num_kv_heads, group_size, num_blocks, block_size, head_dim;
