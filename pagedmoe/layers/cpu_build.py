@@ -11,11 +11,23 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 # -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
 # denormals-are-zero for the whole process when the library loads
 LINK_FLAGS = ["-shared", "-fopenmp"]
 HEADERS = Path(__file__).with_name("csrc")  # shared by the kernels: part of every build's cache key
+
+
+def ptr(tensor) -> ctypes.c_void_p:
+    """A tensor's data as a kernel argument (None for an absent optional tensor)."""
+    return ctypes.c_void_p(None if tensor is None else tensor.data_ptr())
+
+
+def num_threads() -> ctypes.c_int:
+    """The threads a kernel call may use: torch's intra-op count, which the thread governor keeps."""
+    return ctypes.c_int(torch.get_num_threads())
 
 
 def kernel_cache_dir() -> Path:

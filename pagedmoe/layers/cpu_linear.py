@@ -10,6 +10,7 @@ from torch import Tensor
 
 from pagedmoe.cpu_info import cpu_flags
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_build import num_threads, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
@@ -74,10 +75,6 @@ def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:
     return MAX_ROWS_AMX if on_amx else MAX_ROWS.get(dtype, 0)
 
 
-def _threads() -> ctypes.c_int:
-    return ctypes.c_int(torch.get_num_threads())
-
-
 class CpuLinear:
     """F.linear(x, weight, bias) from a copy of weight [N, K] packed at construction; gated: weight is a
     gate_up [2I, K] and the call returns silu(x gate^T) * (x up^T), [..., I] (no bias)."""
@@ -107,10 +104,8 @@ class CpuLinear:
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         shape = Shape(rows.shape[0], self.out_features, self.in_features)
         if self.gated:
-            self.fn(*(ctypes.c_void_p(t.data_ptr()) for t in (rows, self.weight, out)), shape, _threads())
-            return out.view(*x.shape[:-1], self.out_features)
-        bias_ptr = None if bias is None else bias.detach().to(x.dtype).contiguous()
-        pointers = [ctypes.c_void_p(t.data_ptr()) for t in (rows, self.weight)]
-        pointers += [ctypes.c_void_p(None if bias_ptr is None else bias_ptr.data_ptr()), ctypes.c_void_p(out.data_ptr())]
-        self.fn(*pointers, shape, _threads())
+            self.fn(ptr(rows), ptr(self.weight), ptr(out), shape, num_threads())
+        else:
+            bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
+            self.fn(ptr(rows), ptr(self.weight), ptr(bias), ptr(out), shape, num_threads())
         return out.view(*x.shape[:-1], self.out_features)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_build import num_threads, ptr
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "pointwise.cpp"
@@ -35,14 +36,6 @@ def _library_for(*tensors: Tensor) -> ctypes.CDLL | None:
     return load_library()
 
 
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
-def _threads() -> ctypes.c_int:
-    return ctypes.c_int(torch.get_num_threads())
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     library = _library_for(x, weight)
     if library is None or weight.dtype != x.dtype:
@@ -50,8 +43,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     x = x.contiguous()  # q and k heads of the qkv output (Qwen3's norms) are views: one copy, not six ops
     out = torch.empty_like(x)
     fn = getattr(library, f"rms_norm_{SUFFIXES[x.dtype]}")
-    fn(_ptr(x), _ptr(weight.contiguous()), _ptr(out), ctypes.c_int64(x.numel() // x.shape[-1]),
-       ctypes.c_int64(x.shape[-1]), ctypes.c_float(eps), _threads())
+    fn(ptr(x), ptr(weight.contiguous()), ptr(out), ctypes.c_int64(x.numel() // x.shape[-1]),
+       ctypes.c_int64(x.shape[-1]), ctypes.c_float(eps), num_threads())
     return out
 
 
@@ -68,7 +61,7 @@ def rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     tables that cover every position."""
     fn = getattr(load_library(), f"rotary_{SUFFIXES[x.dtype]}")
     sizes = (x.shape[0], x.shape[1], x.stride(0), x.shape[2])
-    fn(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), *(ctypes.c_int64(n) for n in sizes), _threads())
+    fn(ptr(x), ptr(positions), ptr(cos), ptr(sin), *(ctypes.c_int64(n) for n in sizes), num_threads())
     return x
 
 
@@ -89,7 +82,7 @@ def write_kv(cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> bool:
         return False
     fn = getattr(library, f"write_kv_{SUFFIXES[k.dtype]}")
     sizes = (k.stride(0), v.stride(0))
-    fn(_ptr(k), _ptr(v), *map(ctypes.c_int64, sizes), _ptr(slots), _ptr(cache),
+    fn(ptr(k), ptr(v), *map(ctypes.c_int64, sizes), ptr(slots), ptr(cache),
        *map(ctypes.c_int64, (k.shape[0], k.shape[1], k.shape[2], cache.shape[1] * cache.shape[2])))
     return True
 
@@ -100,6 +93,6 @@ def greedy_argmax(logits: Tensor) -> Tensor | None:
             or logits.shape[1] == 0:
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    library.greedy_argmax_f32(_ptr(logits), _ptr(out), ctypes.c_int64(logits.shape[0]),
-                              ctypes.c_int64(logits.shape[1]), _threads())
+    library.greedy_argmax_f32(ptr(logits), ptr(out), ctypes.c_int64(logits.shape[0]),
+                              ctypes.c_int64(logits.shape[1]), num_threads())
     return out

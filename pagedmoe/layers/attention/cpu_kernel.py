@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_build import num_threads, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -47,8 +48,7 @@ class PagedDecodeKernel:
         out = torch.empty_like(q)
         shape = Shape(num_seqs, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
                       cache.shape[1], cache.shape[2], head_dim)
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, cache, block_tables, seq_lens, out))
-        self.fn(*pointers, shape, ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()))
+        self.fn(*map(ptr, (q, cache, block_tables, seq_lens, out)), shape, ctypes.c_float(scale), num_threads())
         return out
 
 

@@ -53,7 +53,7 @@ struct Amx {
         _tile_zero(4);
         _tile_zero(5);
         for (int64_t k = 0; k < K; k += 32) {
-            prefetch(b, k);
+            prefetch_ahead(b + k * PANEL, 32 * PANEL * int(sizeof(BF16)));
             _tile_loadd(0, x + k, K * 2);
             _tile_loadd(1, b + k * PANEL, PANEL * 4);
             _tile_loadd(2, b + k * PANEL + 32, PANEL * 4);
@@ -70,7 +70,7 @@ struct Amx {
         _tile_zero(6);
         _tile_zero(7);
         for (int64_t k = 0; k < K; k += 32) {
-            prefetch(b, k);
+            prefetch_ahead(b + k * PANEL, 32 * PANEL * int(sizeof(BF16)));
             _tile_loadd(1, b + k * PANEL, PANEL * 4);
             _tile_loadd(2, b + k * PANEL + 32, PANEL * 4);
             _tile_loadd(0, x + k, K * 2);
@@ -84,11 +84,6 @@ struct Amx {
         _tile_stored(5, acc + 16, PANEL * 4);
         _tile_stored(6, acc + 16 * PANEL, PANEL * 4);
         _tile_stored(7, acc + 16 * PANEL + 16, PANEL * 4);
-    }
-
-    static void prefetch(const BF16 *b, int64_t k) {
-        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
-        for (int line = 0; line < 32 * PANEL * 2; line += 64) __builtin_prefetch(ahead + line, 0, 2);
     }
 
     ~Amx() {

@@ -27,6 +27,12 @@ constexpr int NV = 2, PANEL = NV * VLEN, HALF = PANEL / 2;
 // FMAs per weight; prefetching 16 KB ahead into L2 (measured: 8-32 KB similar) keeps it near the peak.
 constexpr int64_t PREFETCH_BYTES = 16 * 1024;
 
+// Prefetches into L2 the bytes the tile will read PREFETCH_BYTES after the bytes at p.
+inline void prefetch_ahead(const void *p, int bytes) {
+    const char *ahead = static_cast<const char *>(p) + PREFETCH_BYTES;
+    for (int line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
+}
+
 typedef float fvec __attribute__((vector_size(VLEN * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VLEN * 2)));
 typedef uint32_t uvec __attribute__((vector_size(VLEN * 4)));
@@ -68,8 +74,7 @@ template <int M, typename A, typename W>
 void panel_tile(const A *const *a, const W *b, int64_t K, float *acc) {
     fvec c[M][NV] = {};
     for (int64_t k = 0; k < K; k++) {
-        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
-        for (int line = 0; line < int(PANEL * sizeof(W)); line += 64) __builtin_prefetch(ahead + line, 0, 2);
+        prefetch_ahead(b + k * PANEL, int(PANEL * sizeof(W)));
         fvec bv[NV];
         for (int v = 0; v < NV; v++) bv[v] = load(b + k * PANEL + v * VLEN);
         for (int m = 0; m < M; m++) {
@@ -91,8 +96,7 @@ void panel_tile_pairs(const BF16 *const *a, const BF16 *b, int64_t K, float *acc
     for (int m = 0; m < M; m++)
         for (int v = 0; v < NV; v++) c[m][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
-        const char *ahead = reinterpret_cast<const char *>(b + k * PANEL) + PREFETCH_BYTES;
-        for (int line = 0; line < int(2 * PANEL * sizeof(BF16)); line += 64) __builtin_prefetch(ahead + line, 0, 2);
+        prefetch_ahead(b + k * PANEL, int(2 * PANEL * sizeof(BF16)));
         __m512bh bv[NV];
         for (int v = 0; v < NV; v++) bv[v] = (__m512bh)_mm512_loadu_si512(b + k * PANEL + v * 2 * VLEN);
         for (int m = 0; m < M; m++) {

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_build import num_threads, ptr
 from pagedmoe.layers.cpu_linear import in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
@@ -64,7 +65,6 @@ class CpuFusedMoE:
         weights = topk_weights.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         shape = Shape(x.shape[0], ids.shape[1], self.num_experts, self.hidden, self.inter)
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, ids, weights, self.w13, self.w2, out))
-        self.fn(*pointers, shape, ctypes.c_int(torch.get_num_threads()))
+        self.fn(*map(ptr, (x, ids, weights, self.w13, self.w2, out)), shape, num_threads())
         return out
 

@@ -48,50 +48,46 @@ std::vector<Task> tasks_of(const Buckets &b, int64_t num_panels, int64_t panel_b
     return tasks;
 }
 
-// Calls fn(n, r, acc) for each block of up to MAX_ROWS of the task expert's rows (pairs[r:r + n]) against
-// panel j of its weights w; row m of the block is x's row pairs[r + m] / pairs_per_row.
+// Calls fn(j, n, r, acc) for every panel j of every active expert's weights w ([experts, num_panels, K, PANEL])
+// and each block of up to MAX_ROWS of that expert's pairs (pairs[r:r + n]); row m of the block is x's row
+// pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks.
 template <typename A, typename W, typename Fn>
-void for_each_row_block(const Buckets &b, const Task &t, int64_t j, const A *x, int64_t pairs_per_row,
-                        int64_t K, const W *w, Fn fn) {
-    const A *rows[MAX_ROWS];
-    float acc[MAX_ROWS * PANEL];
-    const W *panel = w + j * K * PANEL;
-    for (int64_t r = b.start[t.expert]; r < b.start[t.expert + 1]; r += MAX_ROWS) {
-        const int n = int(std::min<int64_t>(MAX_ROWS, b.start[t.expert + 1] - r));
-        for (int m = 0; m < n; m++) rows[m] = x + (b.pairs[r + m] / pairs_per_row) * K;
-        tile(n, rows, panel, K, acc);
-        fn(n, r, acc);
+void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int64_t pairs_per_row, int64_t K,
+                          const W *w, int num_threads, Fn fn) {
+    const std::vector<Task> tasks = tasks_of(b, num_panels, K * PANEL * sizeof(W));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (size_t i = 0; i < tasks.size(); i++) {
+        const Task &t = tasks[i];
+        const A *rows[MAX_ROWS];
+        float acc[MAX_ROWS * PANEL];
+        for (int64_t j = t.first_panel; j < t.end_panel; j++)
+            for (int64_t r = b.start[t.expert]; r < b.start[t.expert + 1]; r += MAX_ROWS) {
+                const int n = int(std::min<int64_t>(MAX_ROWS, b.start[t.expert + 1] - r));
+                for (int m = 0; m < n; m++) rows[m] = x + (b.pairs[r + m] / pairs_per_row) * K;
+                tile(n, rows, w + (t.expert * num_panels + j) * K * PANEL, K, acc);
+                fn(j, n, r, acc);
+            }
     }
 }
 
 template <typename A, typename W>
 void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, A *inter, int num_threads) {
-    const int64_t num_panels = s.inter / HALF, expert_size = num_panels * s.hidden * PANEL;
-    const std::vector<Task> tasks = tasks_of(b, num_panels, s.hidden * PANEL * sizeof(W));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (size_t i = 0; i < tasks.size(); i++)
-        for (int64_t j = tasks[i].first_panel; j < tasks[i].end_panel; j++)
-            for_each_row_block(b, tasks[i], j, x, s.top_k, s.hidden, w13 + tasks[i].expert * expert_size,
-                               [&](int n, int64_t r, const float *acc) {
-                for (int m = 0; m < n; m++) {
-                    A *out = inter + b.pairs[r + m] * s.inter + j * HALF;
-                    for (int c = 0; c < HALF; c++) store(out[c], silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
-                }
-            });
+    for_each_expert_tile(b, s.inter / HALF, x, s.top_k, s.hidden, w13, num_threads,
+                         [&](int64_t j, int n, int64_t r, const float *acc) {
+        for (int m = 0; m < n; m++) {
+            A *out = inter + b.pairs[r + m] * s.inter + j * HALF;
+            for (int c = 0; c < HALF; c++) store(out[c], silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
+        }
+    });
 }
 
 template <typename A, typename W>
 void down(const A *inter, const W *w2, const Buckets &b, const Shape &s, float *rows, int num_threads) {
-    const int64_t num_panels = s.hidden / PANEL, expert_size = num_panels * s.inter * PANEL;
-    const std::vector<Task> tasks = tasks_of(b, num_panels, s.inter * PANEL * sizeof(W));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (size_t i = 0; i < tasks.size(); i++)
-        for (int64_t j = tasks[i].first_panel; j < tasks[i].end_panel; j++)
-            for_each_row_block(b, tasks[i], j, inter, 1, s.inter, w2 + tasks[i].expert * expert_size,
-                               [&](int n, int64_t r, const float *acc) {
-                for (int m = 0; m < n; m++)
-                    std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
-            });
+    for_each_expert_tile(b, s.hidden / PANEL, inter, 1, s.inter, w2, num_threads,
+                         [&](int64_t j, int n, int64_t r, const float *acc) {
+        for (int m = 0; m < n; m++)
+            std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
+    });
 }
 
 void combine(const float *rows, const int64_t *topk_ids, const float *topk_weights, const Shape &s, float *out,
