@@ -16,8 +16,10 @@ SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 # Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
 # even at 128); bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few rows on).
+# On AMX up to 256 rows: oneDNN reorders the plain bf16 weight into its tile layout on every call, which the
+# packed copy never does (1.2-1.4x at 64-256 rows in-model and alone; oneDNN wins from 512 on).
 MAX_ROWS = {torch.float32: 96}
-MAX_ROWS_AMX = 32
+MAX_ROWS_AMX = 256
 
 
 @functools.cache

@@ -32,11 +32,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if cpu_ops.can_rotate(q, positions, self.cos) and cpu_ops.can_rotate(k, positions, self.cos):
-            return cpu_ops.rotary_(q, positions, self.cos, self.sin), cpu_ops.rotary_(k, positions, self.cos, self.sin)
+        cos, sin = self.float_tables()
+        if cpu_ops.can_rotate(q, positions, cos) and cpu_ops.can_rotate(k, positions, cos):
+            return cpu_ops.rotary_(q, positions, cos, sin), cpu_ops.rotary_(k, positions, cos, sin)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def float_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin in float32 for the CPU kernel. A bf16 model's tables were cast with it: their float32
+        copies keep the values HF rotates by (its tables cast to the activations' dtype)."""
+        if self.cos.dtype == torch.float32:
+            return self.cos, self.sin
+        if getattr(self, "_float_of", None) is not self.cos:
+            self._float_of, self._float = self.cos, (self.cos.float(), self.sin.float())
+        return self._float
 
 
 class InterleavedRotaryEmbedding(RotaryEmbedding):

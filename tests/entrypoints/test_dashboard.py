@@ -73,8 +73,9 @@ def test_dashboard_shows_the_live_block_map(server, browser, tmp_path):
         page.goto(f"{server.url}/dashboard?api_key={API_KEY}")
         page.wait_for_function("Number(document.getElementById('blocks').dataset.painted) > 40"
                                " && Number(document.getElementById('n-shared').textContent) > 0"
-                               " && document.getElementById('tps').textContent !== '–'", timeout=20000)
-        assert _count(page, "n-used") > 0 and _count(page, "running") > 0
+                               " && document.getElementById('tps').textContent !== '–'"
+                               " && Number(document.getElementById('n-used').textContent) > 0"
+                               " && Number(document.getElementById('running').textContent) > 0", timeout=20000)
         assert sum(_count(page, f"n-{state}") for state in ("free", "used", "shared", "cached")) == 512
         assert re.fullmatch(r"\d+\.\d", page.inner_text("#tps"))
         assert page.is_visible("#experts-empty") and not page.is_visible("#experts")

@@ -28,10 +28,12 @@ def test_rms_norm_matches_eager_on_rows_and_head_views(monkeypatch, dtype):
             torch.testing.assert_close(norm(inputs), eager(monkeypatch, norm, inputs), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_on_qkv_views_matches_eager(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16)])
+def test_rotary_in_place_on_qkv_views_matches_eager(monkeypatch, dtype, table_dtype):
+    """table_dtype bfloat16: a bf16 model's tables, cast with it; the kernel rotates by their float32 copies."""
     torch.manual_seed(0)
-    rotary = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32), 1.0, 256)
+    rotary = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32), 1.0, 256).to(table_dtype)
     positions = torch.tensor([0, 5, 255, 17])
     with torch.inference_mode():
         qkv = torch.randn(4, (4 + 2 + 2) * 32).to(dtype)
@@ -39,7 +41,8 @@ def test_rotary_in_place_on_qkv_views_matches_eager(monkeypatch, dtype):
         expected = eager(monkeypatch, rotary, positions, q0, k0)
         v_before = views(qkv)[2].clone()
         q, k, v = views(qkv)
-        assert cpu_ops.can_rotate(q, positions, rotary.cos) and cpu_ops.can_rotate(k, positions, rotary.cos)
+        cos = rotary.float_tables()[0]
+        assert cpu_ops.can_rotate(q, positions, cos) and cpu_ops.can_rotate(k, positions, cos)
         got = rotary(positions, q, k)
         assert got[0].data_ptr() == q.data_ptr()  # in place, in the qkv buffer
         for g, e in zip(got, expected):

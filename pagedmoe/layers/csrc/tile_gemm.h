@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <utility>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -50,13 +50,19 @@ inline fvec load(const float *p) {
     std::memcpy(&v, p, sizeof v);
     return v;
 }
-inline fvec load(const BF16 *p) {
+inline fvec load(const BF16 *p) {  // widened by one zero-extending load where there are intrinsics for it
+#if defined(__AVX512F__)
+    return fvec(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__)
+    return fvec(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
     hvec h;
     std::memcpy(&h, p, sizeof h);
     const uvec u = __builtin_convertvector(h, uvec) << 16;
     fvec v;
     std::memcpy(&v, &u, sizeof v);
     return v;
+#endif
 }
 
 inline void store(float &dst, float x) { dst = x; }

@@ -14,12 +14,23 @@
 namespace {
 
 using tile_gemm::BF16;
+using tile_gemm::fvec;
+using tile_gemm::load;
 using tile_gemm::store;
 using tile_gemm::to_float;
+using tile_gemm::VLEN;
 
 struct Shape {
     int64_t num_seqs, max_blocks, num_kv_heads, group_size, num_blocks, block_size, head_dim;
 };
+
+// fn(std::integral_constant<int, count>) for a runtime count in [1, MAX].
+template <int MAX, typename Fn>
+void for_heads(int count, Fn fn) {
+    if constexpr (MAX > 1)
+        if (count < MAX) return for_heads<MAX - 1>(count, fn);
+    fn(std::integral_constant<int, MAX>{});
+}
 
 // Head sizes known at compile time let the compiler keep a head's accumulators in registers.
 template <int HEAD_DIM>
@@ -45,6 +56,7 @@ void for_each_block(const T *head, const int64_t *table, int64_t len, const Shap
     }
 }
 
+// The generic path (any head size): one dot product per position and query head.
 template <int HEAD_DIM, typename T>
 void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
                float *scores) {
@@ -62,8 +74,9 @@ void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t le
     });
 }
 
-void softmax_rows(float *scores, int64_t rows, int64_t len) {
-    for (float *row = scores; row < scores + rows * len; row += len) {
+// Each of `rows` rows of len scores (rows `stride` apart) to its softmax, in place.
+void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t stride) {
+    for (float *row = scores; row < scores + rows * stride; row += stride) {
         float max = row[0], sum = 0.0f;
 #pragma omp simd reduction(max : max)
         for (int64_t t = 0; t < len; t++) max = std::fmax(max, row[t]);
@@ -93,20 +106,132 @@ void weighted_values(const float *probs, const T *v_head, const int64_t *table, 
     });
 }
 
+// The fast path, for head sizes of whole vectors: q (scores) or the output (values) of up to HEADS query
+// heads sit in registers while each K or V row is loaded once for all of them.
+constexpr int REGISTER_BUDGET = VLEN == 16 ? 16 : 8;
+constexpr int FOLD_LEVELS = VLEN == 16 ? 4 : 3;
+typedef int32_t ivec __attribute__((vector_size(VLEN * 4)));
+
+// Lane permutations that fold two vectors, each holding the partial sums of 2^level positions in
+// VLEN >> level lanes apiece, into one that holds the 2^(level+1) positions in half as many lanes each.
+struct FoldMasks {
+    ivec lo[FOLD_LEVELS], hi[FOLD_LEVELS];
+    FoldMasks() {
+        for (int level = 0; level < FOLD_LEVELS; level++)
+            for (int o = 0, half = (VLEN >> level) / 2, count = 1 << level; o < VLEN; o++) {
+                const int seg = o / half, from = seg < count ? seg * 2 * half : VLEN + (seg - count) * 2 * half;
+                lo[level][o] = from + o % half;
+                hi[level][o] = from + o % half + half;
+            }
+    }
+};
+const FoldMasks FOLD;
+
+// The lane sums of p[0..VLEN) as one vector, in order (p is overwritten): a tree of folds, no horizontal adds.
+inline fvec sum_lanes(fvec *p) {
+    for (int level = 0, n = VLEN; n > 1; level++, n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.lo[level]) +
+                   __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.hi[level]);
+    return p[0];
+}
+
+// Position t's row of one head; the row PREFETCH_ROWS later is prefetched. One row at a time: a block's
+// worth of prefetches at once fills the line-fill buffers and stalls the core.
+constexpr int64_t PREFETCH_ROWS = 16;
+
+template <typename T>
+const T *row_at(const T *head, const int64_t *table, int64_t t, int64_t len, const Shape &s) {
+    if (const int64_t ahead = t + PREFETCH_ROWS; ahead < len) {
+        const char *row = reinterpret_cast<const char *>(
+            head + (table[ahead / s.block_size] * s.block_size + ahead % s.block_size) * s.head_dim);
+        for (int64_t line = 0; line < int64_t(sizeof(T)) * s.head_dim; line += 64) __builtin_prefetch(row + line);
+    }
+    return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
+}
+
+// scores[g][t] = q[g] . k[t] for HEADS query heads (q scaled, float32 [HEADS][N * VLEN]); scores rows are
+// `stride` apart, stride >= len rounded up to VLEN.
+template <int N, int HEADS, typename T>
+void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
+                 float *scores, int64_t stride) {
+    fvec qv[HEADS][N], part[HEADS][VLEN];
+    for (int g = 0; g < HEADS; g++)
+        for (int n = 0; n < N; n++) qv[g][n] = load(q + (g * N + n) * VLEN);
+    for (int64_t base = 0; base < len; base += VLEN) {
+        const int count = int(std::min<int64_t>(VLEN, len - base));
+        for (int i = 0; i < VLEN; i++) {
+            if (i == count) {
+                for (int g = 0; g < HEADS; g++) std::fill(part[g] + i, part[g] + VLEN, fvec{});
+                break;
+            }
+            const T *row = row_at(k_head, table, base + i, len, s);
+            fvec k[N];
+            for (int n = 0; n < N; n++) k[n] = load(row + n * VLEN);
+            for (int g = 0; g < HEADS; g++) {
+                fvec dot = qv[g][0] * k[0];
+                for (int n = 1; n < N; n++) dot += qv[g][n] * k[n];
+                part[g][i] = dot;
+            }
+        }
+        for (int g = 0; g < HEADS; g++) {
+            const fvec sums = sum_lanes(part[g]);
+            std::memcpy(scores + g * stride + base, &sums, sizeof sums);
+        }
+    }
+}
+
+// acc[g] = sum over t of probs[g][t] * v[t], for HEADS heads (probs rows `stride` apart).
+template <int N, int HEADS, typename T>
+void values_pass(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t len,
+                 const Shape &s, float *acc) {
+    fvec sum[HEADS][N] = {};
+    for (int64_t t = 0; t < len; t++) {
+        const T *row = row_at(v_head, table, t, len, s);
+        fvec v[N];
+        for (int n = 0; n < N; n++) v[n] = load(row + n * VLEN);
+        for (int g = 0; g < HEADS; g++)
+            for (int n = 0; n < N; n++) sum[g][n] += probs[g * stride + t] * v[n];
+    }
+    for (int g = 0; g < HEADS; g++) std::memcpy(acc + g * N * VLEN, sum[g], sizeof sum[g]);
+}
+
+// One (sequence, KV head) on the fast path, its query heads in passes of up to HEADS.
+template <int N, int HEADS = std::max(1, REGISTER_BUDGET / N), typename T>
+void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_t *table, int64_t len,
+                 const Shape &s, float *scores, float *acc) {
+    const int64_t stride = (len + VLEN - 1) / VLEN * VLEN, dim = N * VLEN;
+    for (int64_t g = 0; g < s.group_size; g += HEADS)
+        for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
+            scores_pass<N, heads.value>(qf + g * dim, k_head, table, len, s, scores + g * stride, stride);
+        });
+    softmax_rows(scores, s.group_size, len, stride);
+    for (int64_t g = 0; g < s.group_size; g += HEADS)
+        for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
+            values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, len, s, acc + g * dim);
+        });
+}
+
 template <int HEAD_DIM, typename T>
 void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
                   const Shape &s, float scale, int num_threads) {
+    constexpr bool FAST = HEAD_DIM > 0 && HEAD_DIM % VLEN == 0;
     const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, width = s.group_size * s.head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < s.num_seqs * s.num_kv_heads; item++) {
         const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads, len = seq_lens[seq];
-        const int64_t *table = block_tables + seq * s.max_blocks;
-        std::vector<float> buffer(2 * width + s.group_size * len);
+        const int64_t *table = block_tables + seq * s.max_blocks, stride = (len + VLEN - 1) / VLEN * VLEN;
+        std::vector<float> buffer(2 * width + s.group_size * stride);
         float *qf = buffer.data(), *acc = qf + width, *scores = acc + width;
         for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
-        scores_of<HEAD_DIM>(qf, cache + kv_head * head_stride, table, len, s, scores);
-        softmax_rows(scores, s.group_size, len);
-        weighted_values<HEAD_DIM>(scores, cache + (s.num_kv_heads + kv_head) * head_stride, table, len, s, acc);
+        const T *k_head = cache + kv_head * head_stride, *v_head = cache + (s.num_kv_heads + kv_head) * head_stride;
+        if constexpr (FAST) {
+            attend_fast<HEAD_DIM / VLEN>(qf, k_head, v_head, table, len, s, scores, acc);
+        } else {
+            scores_of<HEAD_DIM>(qf, k_head, table, len, s, scores);
+            softmax_rows(scores, s.group_size, len, len);
+            weighted_values<HEAD_DIM>(scores, v_head, table, len, s, acc);
+        }
         for (int64_t i = 0; i < width; i++) store(out[item * width + i], acc[i]);
     }
 }
@@ -116,6 +241,7 @@ void paged_decode_any(const T *q, const T *cache, const int64_t *block_tables, c
                       const Shape &s, float scale, int num_threads) {
     switch (s.head_dim) {
         case 64: return paged_decode<64>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
+        case 96: return paged_decode<96>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
         case 128: return paged_decode<128>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
         default: return paged_decode<0>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
     }
