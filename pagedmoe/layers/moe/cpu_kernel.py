@@ -6,17 +6,23 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from pagedmoe.layers import cpu_build
+from pagedmoe.layers import cpu_build, cpu_linear
+from pagedmoe.layers.activation import silu_and_mul
 from pagedmoe.layers.cpu_build import num_threads, ptr
-from pagedmoe.layers.cpu_linear import in_k_pairs, pack_gate_up, pack_panels
+from pagedmoe.layers.cpu_linear import CpuLinear, in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
 # Up to this many (token, expert) pairs per expert on average the kernel beats the oneDNN expert loop; above
 # it oneDNN's large-tile GEMMs (AMX for bf16) win: measured on a Sapphire Rapids, 8 experts, 768 -> 1024.
 MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 16}
+# With AMX, bf16 batches past 12 rows per expert run each expert on the AMX tile GEMM instead (alone: 1.2x
+# at 8 and 1.9x at 16 rows per expert; in a decode step of 8 experts: even at 6-8, 1.2x at 16), up to 128 rows
+# per expert (1.3x oneDNN at 64; oneDNN wins at 256).
+MAX_ROWS_PER_EXPERT_AMX, MAX_ROWS_AMX_EXPERT = 12, 128
 
 
 @functools.cache
@@ -53,6 +59,9 @@ class CpuFusedMoE:
         self.w13, self.w2 = pack_gate_up(w13.detach(), panel), pack_panels(w2.detach(), panel)
         if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
             self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
+        self.experts = amx_experts(w13, w2, self.w13, self.w2, panel)
+        if self.experts is not None:
+            self.max_pairs = MAX_ROWS_PER_EXPERT_AMX * self.num_experts
 
     def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
         """Whether this batch is decode-sized, where the kernel is the faster path (and no autograd)."""
@@ -68,3 +77,41 @@ class CpuFusedMoE:
         self.fn(*map(ptr, (x, ids, weights, self.w13, self.w2, out)), shape, num_threads())
         return out
 
+
+
+class ExpertProjection:
+    """One expert's gate_up (gated) or down projection for batches past the fused kernel: the AMX tile GEMM
+    on the fused kernel's own packed copy (no third copy of the weights), oneDNN on the original weight past
+    the tile GEMM's rows."""
+
+    def __init__(self, kernel: CpuLinear, weight: Tensor):
+        self.kernel, self.weight = kernel, weight
+        self.shape = weight.shape  # looped_experts reads the down projection's output width from it
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if self.kernel.fits(x):
+            return self.kernel(x)
+        out = F.linear(x, self.weight)
+        return silu_and_mul(out) if self.kernel.gated else out
+
+
+def amx_experts(w13: Tensor, w2: Tensor, packed_w13: Tensor, packed_w2: Tensor,
+                panel: int) -> tuple[list, list] | None:
+    """Per-expert projections on AMX, where the linear kernel runs bf16 on AMX tiles and shares the fused
+    kernel's layout (the same panel width, k-pairs); None elsewhere."""
+    try:
+        library = cpu_linear.load_library()
+    except RuntimeError:
+        return None
+    if library.linear_panel() != panel or not cpu_linear.uses_amx(library, w13[0]) \
+            or not cpu_linear.uses_amx(library, w2[0]) or not library.linear_bf16_pairs():
+        return None
+    rows = MAX_ROWS_AMX_EXPERT
+    gate_up = [CpuLinear(w, library, rows, gated=True, packed=p) for w, p in zip(w13.detach(), packed_w13)]
+    down = [CpuLinear(w, library, rows, packed=p) for w, p in zip(w2.detach(), packed_w2)]
+    return ([ExpertProjection(k, w) for k, w in zip(gate_up, w13.detach())],
+            [ExpertProjection(k, w) for k, w in zip(down, w2.detach())])
+
+
+def call_projection(x: Tensor, projection: ExpertProjection, bias: Tensor | None) -> Tensor:
+    return projection(x, bias)

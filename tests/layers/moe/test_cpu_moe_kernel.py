@@ -11,7 +11,7 @@ from pagedmoe.layers.linear import attach_cpu_kernels
 from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
 from pagedmoe.layers.moe.fused_moe import fused_experts
 from pagedmoe.layers.moe.layer import FusedMoE
-from pagedmoe.layers.moe.routers import RouterConfig
+from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 64, 48
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -116,3 +116,43 @@ def test_native_build_matches_the_cpu():
     """The bf16 pair path is compiled exactly where the CPU has avx512_bf16 (PAGEDMOE_CPU_FLAGS aside)."""
     has_pairs = bool(cpu_kernel.load_library().fused_moe_bf16_pairs())
     assert has_pairs == ("avx512_bf16" in cpu_info.detected_cpu_flags())
+
+
+AMX = cpu_kernel.cpu_linear.load_library().linear_amx() and "amx_bf16" in cpu_info.cpu_flags()
+
+
+def bf16_layer(inter=64):
+    """in_features 64 on both projections: whole 32-wide AMX k-steps."""
+    layer = FusedMoE(NUM_EXPERTS, HIDDEN, inter, RouterConfig(top_k=2, renormalize=True))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer.bfloat16()
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX bf16 tiles on this CPU")
+def test_amx_experts_match_the_exact_loop():
+    """Past the fused kernel's rows each expert runs on AMX tiles over the fused kernel's packed copy, and
+    past MAX_ROWS_AMX_EXPERT rows on oneDNN: every regime against the float64 loop."""
+    torch.manual_seed(1)
+    layer = bf16_layer()
+    with torch.inference_mode():
+        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1 and layer.cpu_experts.experts is not None
+        calls = []
+        for projection in layer.cpu_experts.experts[0]:
+            projection.kernel.fn = record_calls(projection.kernel.fn, calls)
+        for num_tokens in (3, 60, 1200):  # ~1, ~20 and ~400 rows per expert
+            x = torch.randn(num_tokens, HIDDEN).bfloat16()
+            topk_weights, topk_ids = select_experts(layer.router, layer.router_logits(x), None)
+            expected = exact(x, layer.w13, layer.w2, topk_weights, topk_ids)
+            got = layer.routed_output(x, topk_weights, topk_ids).float()  # rounded to bf16, as the layer returns
+            torch.testing.assert_close(got, expected, atol=2e-2 * float(expected.abs().max()), rtol=2e-2)
+    assert calls  # the middle batch ran on the tiles
+
+
+def test_amx_experts_follow_the_reported_cpu(monkeypatch):
+    """Without amx_bf16 in the CPU's flags, bf16 layers keep the fused kernel's own limit and the plain loop."""
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16")
+    layer = bf16_layer()
+    assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1
+    assert layer.cpu_experts.experts is None
+    assert layer.cpu_experts.max_pairs == cpu_kernel.MAX_ROWS_PER_EXPERT[torch.bfloat16] * NUM_EXPERTS
