@@ -2,7 +2,9 @@
 models at decode-sized row counts (oneDNN's packed GEMM, MKL on the plain weight, the tile kernel), and a
 12-layer MoE stack (the oneDNN expert loop, the plain expert loop, the fused kernel). Weights rotate over
 `--layers` copies so they come from memory, as in a decode step; each figure is the best of `--iters`,
-the paths interleaved so drift hits them alike."""
+the paths interleaved so drift hits them alike. The MoE stack's "layer" path is FusedMoE as the engine runs
+it with the kernels attached (the fused kernel, AMX per expert or oneDNN by batch size). Decode attention:
+the paged kernel over `--layers` caches of the 100M models' shape (4 KV heads of 64, 3 query heads each)."""
 # Not bench/kernels.py: vllm_driver.py runs from this folder, and transformers imports a package named "kernels".
 import argparse
 import json
@@ -12,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedmoe.cpu_info import describe_cpu
+from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 from pagedmoe.layers.cpu_linear import CpuLinear
-from pagedmoe.layers.linear import pack_weight, packed_linear
+from pagedmoe.layers.linear import attach_cpu_kernels, pack_weight, packed_linear
 from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
 from pagedmoe.layers.moe.fused_moe import fused_experts
 from pagedmoe.layers.moe.layer import FusedMoE
@@ -69,24 +72,60 @@ def moe_layers(dtype: torch.dtype, layers: int) -> list[tuple[FusedMoE, CpuFused
     return stack
 
 
-def moe_paths(stack, x: torch.Tensor) -> dict:
+def engine_layers(dtype: torch.dtype, stack) -> list[FusedMoE]:
+    """Copies of the stack's layers with the CPU kernels attached, as the model runner attaches them."""
+    layers = []
+    for layer, _ in stack:
+        copy = FusedMoE(8, 768, 1024, RouterConfig(top_k=2, renormalize=True), dtype=dtype)
+        copy.load_state_dict(layer.state_dict())
+        attach_cpu_kernels(copy, {"moe"}, min_bytes=0)
+        layers.append(copy)
+    return layers
+
+
+def moe_paths(stack, engine: list[FusedMoE], x: torch.Tensor) -> dict:
     routes = [select_experts(layer.router, layer.router_logits(x), None) for layer, _ in stack]
     pairs = list(zip(stack, routes))
     return {"onednn": lambda: [fused_experts(x, m.w13, m.w2, *r, packed=m.packed_experts) for (m, _), r in pairs],
             "loop": lambda: [fused_experts(x, m.w13, m.w2, *r, use_grouped_mm=False) for (m, _), r in pairs],
-            "kernel": lambda: [k(x, *r) for (_, k), r in pairs]}
+            "kernel": lambda: [k(x, *r) for (_, k), r in pairs],
+            "layer": lambda: [e.routed_output(x, *r) for e, r in zip(engine, routes)]}
 
 
 def bench_moe_stack(dtype: torch.dtype, tokens: list[int], layers: int, iters: int) -> list[dict]:
     stack, results = moe_layers(dtype, layers), []
+    engine = engine_layers(dtype, stack)
     expert_bytes = sum(t.numel() for t in (stack[0][0].w13, stack[0][0].w2)) * stack[0][0].w13.element_size()
     for m in tokens:
         x = torch.randn(m, 768).to(dtype)
         with torch.inference_mode():
-            seconds = best_of(moe_paths(stack, x), iters)
+            seconds = best_of(moe_paths(stack, engine, x), iters)
         per_layer = {p: s / layers * 1e3 for p, s in seconds.items()}
         results.append({"op": "moe", "tokens": m, **per_layer,
                         "kernel_gb_per_s": expert_bytes / (per_layer["kernel"] / 1e3) / 1e9})
+    return results
+
+
+def attention_problem(dtype, num_seqs: int, context: int, layers: int, block_size: int = 16):
+    """Caches of `layers` layers, each sequence's blocks scattered; contexts spread over [context / 2, context]."""
+    g = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    caches = [torch.randn(2 * 4, num_blocks, block_size, 64, generator=g).to(dtype) for _ in range(layers)]
+    tables = torch.randperm(num_blocks, generator=g)[:num_seqs * blocks_per_seq].view(num_seqs, -1).contiguous()
+    seq_lens = torch.randint(context // 2, context + 1, (num_seqs,), generator=g)
+    return torch.randn(num_seqs, 12, 64, generator=g).to(dtype), caches, tables, seq_lens
+
+
+def bench_attention(dtype: torch.dtype, batches: list[int], context: int, layers: int, iters: int) -> list[dict]:
+    kernel, results = PagedDecodeKernel(dtype), []
+    for num_seqs in batches:
+        q, caches, tables, seq_lens = attention_problem(dtype, num_seqs, context, layers)
+        seconds = best_of({"kernel": lambda: [kernel(q, c, tables, seq_lens, 0.125) for c in caches]}, iters)
+        per_layer = seconds["kernel"] / layers
+        kv_bytes = 2 * 4 * 64 * int(seq_lens.sum()) * caches[0].element_size()
+        results.append({"op": "attention", "seqs": num_seqs, "context": context, "kernel": per_layer * 1e3,
+                        "kv_gb_per_s": kv_bytes / per_layer / 1e9})
     return results
 
 
@@ -96,9 +135,13 @@ def format_lines(result: dict) -> list[str]:
         lines.append(f"{dtype} linears, ms per call (weights from memory):   onednn      mkl   kernel  kernel GFLOP/s")
         lines += [f"  {r['op']:<8} rows {r['rows']:>4}  {r['onednn']:>28.3f} {r['mkl']:>8.3f} {r['kernel']:>8.3f}"
                   f" {r['kernel_gflops']:>10.0f}" for r in part["linears"]]
-        lines.append(f"{dtype} MoE layer (8 experts 768 -> 1024, top-2), ms:  onednn     loop   kernel  all-expert GB/s")
+        lines.append(f"{dtype} MoE layer (8 experts 768 -> 1024, top-2), ms:  onednn     loop   kernel    layer"
+                     "  all-expert GB/s")
         lines += [f"  tokens {r['tokens']:>4}  {r['onednn']:>37.2f} {r['loop']:>8.2f} {r['kernel']:>8.2f}"
-                  f" {r['kernel_gb_per_s']:>10.1f}" for r in part["moe"]]
+                  f" {r['layer']:>8.2f} {r['kernel_gb_per_s']:>10.1f}" for r in part["moe"]]
+        lines.append(f"{dtype} decode attention per layer, ms:                    kernel  KV GB/s")
+        lines += [f"  seqs {r['seqs']:>4} context <= {r['context']:<5} {r['kernel']:>30.3f} {r['kv_gb_per_s']:>8.1f}"
+                  for r in part["attention"]]
     return lines
 
 
@@ -107,6 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--attention-seqs", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--attention-context", type=int, default=256)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--output-json", default=None)
@@ -119,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes:
         dtype = getattr(torch, name)
         result["dtypes"][name] = {"linears": bench_linears(dtype, args.rows, args.layers, args.iters),
-                                  "moe": bench_moe_stack(dtype, args.moe_tokens, args.layers, args.iters)}
+                                  "moe": bench_moe_stack(dtype, args.moe_tokens, args.layers, args.iters),
+                                  "attention": bench_attention(dtype, args.attention_seqs, args.attention_context,
+                                                               args.layers, args.iters)}
     print("\n".join(format_lines(result)))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -8,11 +8,14 @@ from pagedmoe.bench.cli import main as bench_main
 def test_kernels_bench_reports_every_path(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     args = ["kernels", "--dtypes", "float32", "--rows", "3", "--moe-tokens", "5", "--layers", "1", "--iters", "1",
+            "--attention-seqs", "2", "--attention-context", "40",
             "--output-json", str(out)]
     assert bench_main(args) == 0
     result = json.loads(out.read_text())
     linears, moe = result["dtypes"]["float32"]["linears"], result["dtypes"]["float32"]["moe"]
     assert [r["op"] for r in linears] == list(kernels.LINEAR_SHAPES)
     assert all(r[p] > 0 for r in linears for p in ("onednn", "mkl", "kernel"))
-    assert moe[0]["tokens"] == 5 and all(moe[0][p] > 0 for p in ("onednn", "loop", "kernel"))
+    assert moe[0]["tokens"] == 5 and all(moe[0][p] > 0 for p in ("onednn", "loop", "kernel", "layer"))
+    attention = result["dtypes"]["float32"]["attention"]
+    assert attention[0]["seqs"] == 2 and attention[0]["kernel"] > 0 and attention[0]["kv_gb_per_s"] > 0
     assert "machine:" in capsys.readouterr().out
