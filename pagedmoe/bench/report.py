@@ -90,4 +90,11 @@ def vllm_lines(results: dict) -> str:
         f"{name} {row['output_tok_s']:.1f} tok/s" for name, row in vllm["bindings"].items())]
     lines.append(f"start-up to first token: pagedmoe {ours['startup_to_first_token_s']:.1f} s, vllm "
                  + ", ".join(f"{n} {r['startup_to_first_token_s']:.1f} s" for n, r in vllm["bindings"].items()))
+    if len(ours.get("repeats_output_tok_s", [])) > 1:
+        lines.append("every run, out tok/s: pagedmoe " + _runs(ours) + "; " + "; ".join(
+            f"vllm {name} {_runs(row)}" for name, row in vllm["bindings"].items()))
     return "\n".join(lines)
+
+
+def _runs(row: dict) -> str:
+    return " / ".join(f"{tok_s:.1f}" for tok_s in row["repeats_output_tok_s"])

@@ -47,6 +47,7 @@ def vllm_request(model_dir: str, dtype: str, workload: list[BenchRequest], args)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in workload)
     return {"model": os.path.abspath(model_dir), "dtype": dtype, "max_model_len": max(longest, 256),
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "repeats": args.repeats,
             "prompts": [r.prompt_token_ids for r in workload], "output_lens": [r.output_len for r in workload]}
 
 
@@ -70,7 +71,8 @@ def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args
         if result["workload_digest"] != expected:
             raise RuntimeError("vllm baseline: vLLM ran other prompts than the workload's")
         runs[name] = figures("vllm", workload, result["elapsed_s"], result["generated"]) | {
-            "binding": binding, "startup_to_first_token_s": result["startup_to_first_token_s"]}
+            "binding": binding, "startup_to_first_token_s": result["startup_to_first_token_s"],
+            "repeats_output_tok_s": [sum(r.output_len for r in workload) / s for s in result["repeats_elapsed_s"]]}
     best = max(runs.values(), key=lambda row: row["output_tok_s"])
     return best | {"bindings": runs, "vllm_python": python}
 
