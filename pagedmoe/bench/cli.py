@@ -1,4 +1,5 @@
-"""`pagedmoe bench {throughput,latency,serve,moe,memory,kernels}`: one workload definition (bench/workload.py) shared by all."""
+"""`pagedmoe bench {throughput,latency,serve,moe,memory,kernels}`: one workload definition (bench/workload.py)
+shared by all."""
 import argparse
 import asyncio
 import importlib
@@ -207,9 +208,9 @@ def _add_throughput(sub):
     tp.add_argument("--vllm-python", default=None, help="vllm baseline: vLLM's interpreter (its own venv, see "
                     "`pagedmoe bench setup-vllm DIR`)")
     tp.add_argument("--vllm-timeout", type=float, default=1800, help="vllm baseline: seconds per binding's run")
-    tp.add_argument("--repeats", type=int, default=1, help="run the workload N times on pagedmoe and on the vllm "
-                    "baseline (per binding, after one start-up) and report each engine's fastest run, every run's tok/s in "
-                    "--output-json; N > 1 turns prefix caching off, as vLLM's run has it")
+    tp.add_argument("--repeats", type=int, default=1, help="run the workload N times on pagedmoe and on the "
+                    "vllm baseline (per binding, after one start-up) and report each engine's fastest run, every "
+                    "run's tok/s in --output-json; N > 1 turns prefix caching off, as vLLM's run has it")
     tp.add_argument("--background-load", type=int, default=0, metavar="N",
                     help="run the workload again with N busy-looping processes beside the engine (started and "
                          "stopped by the bench) and report loaded / quiet throughput")

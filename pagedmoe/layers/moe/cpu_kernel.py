@@ -55,13 +55,13 @@ class CpuFusedMoE:
         self.fn = getattr(library, ENTRY_POINTS[w13.dtype])
         self.fn.restype = None
         self.num_experts, self.hidden, self.inter = w2.shape
-        self.max_pairs = MAX_ROWS_PER_EXPERT[w13.dtype] * self.num_experts
-        self.w13, self.w2 = pack_gate_up(w13.detach(), panel), pack_panels(w2.detach(), panel)
+        w13, w2 = w13.detach(), w2.detach()
+        self.w13, self.w2 = pack_gate_up(w13, panel), pack_panels(w2, panel)
         if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
             self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
         self.experts = amx_experts(w13, w2, self.w13, self.w2, panel)
-        if self.experts is not None:
-            self.max_pairs = MAX_ROWS_PER_EXPERT_AMX * self.num_experts
+        rows = MAX_ROWS_PER_EXPERT[w13.dtype] if self.experts is None else MAX_ROWS_PER_EXPERT_AMX
+        self.max_pairs = rows * self.num_experts
 
     def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
         """Whether this batch is decode-sized, where the kernel is the faster path (and no autograd)."""
@@ -97,8 +97,8 @@ class ExpertProjection:
 
 def amx_experts(w13: Tensor, w2: Tensor, packed_w13: Tensor, packed_w2: Tensor,
                 panel: int) -> tuple[list, list] | None:
-    """Per-expert projections on AMX, where the linear kernel runs bf16 on AMX tiles and shares the fused
-    kernel's layout (the same panel width, k-pairs); None elsewhere."""
+    """Per-expert projections (of detached w13 / w2) on AMX, where the linear kernel runs bf16 on AMX tiles
+    and shares the fused kernel's layout (the same panel width, k-pairs); None elsewhere."""
     try:
         library = cpu_linear.load_library()
     except RuntimeError:
@@ -107,10 +107,8 @@ def amx_experts(w13: Tensor, w2: Tensor, packed_w13: Tensor, packed_w2: Tensor,
             or not cpu_linear.uses_amx(library, w2[0]) or not library.linear_bf16_pairs():
         return None
     rows = MAX_ROWS_AMX_EXPERT
-    gate_up = [CpuLinear(w, library, rows, gated=True, packed=p) for w, p in zip(w13.detach(), packed_w13)]
-    down = [CpuLinear(w, library, rows, packed=p) for w, p in zip(w2.detach(), packed_w2)]
-    return ([ExpertProjection(k, w) for k, w in zip(gate_up, w13.detach())],
-            [ExpertProjection(k, w) for k, w in zip(down, w2.detach())])
+    return ([ExpertProjection(CpuLinear(w, library, rows, gated=True, packed=p), w) for w, p in zip(w13, packed_w13)],
+            [ExpertProjection(CpuLinear(w, library, rows, packed=p), w) for w, p in zip(w2, packed_w2)])
 
 
 def call_projection(x: Tensor, projection: ExpertProjection, bias: Tensor | None) -> Tensor:

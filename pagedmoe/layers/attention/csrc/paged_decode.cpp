@@ -36,24 +36,18 @@ void for_heads(int count, Fn fn) {
 template <int HEAD_DIM>
 int64_t head_dim_of(const Shape &s) { return HEAD_DIM ? HEAD_DIM : s.head_dim; }
 
-template <typename T>
-void prefetch_block(const T *head, const int64_t *table, int64_t block, const Shape &s) {
-    const char *start = reinterpret_cast<const char *>(head + table[block] * s.block_size * s.head_dim);
-    for (int64_t offset = 0; offset < int64_t(sizeof(T)) * s.block_size * s.head_dim; offset += 64)
-        __builtin_prefetch(start + offset);
-}
+// Position t's row of one head; the row PREFETCH_ROWS later is prefetched. One row at a time: a block's
+// worth of prefetches at once fills the line-fill buffers and stalls the core.
+constexpr int64_t PREFETCH_ROWS = 16;
 
-// Calls fn(rows, start, n) for each block of the context: n positions from start, rows [n, head_dim].
-// Blocks are scattered, which the hardware prefetcher cannot follow: the next one is prefetched by hand.
-template <typename T, typename Fn>
-void for_each_block(const T *head, const int64_t *table, int64_t len, const Shape &s, Fn fn) {
-    const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
-    prefetch_block(head, table, 0, s);
-    for (int64_t block = 0; block < num_blocks; block++) {
-        if (block + 1 < num_blocks) prefetch_block(head, table, block + 1, s);
-        const int64_t start = block * s.block_size;
-        fn(head + table[block] * s.block_size * s.head_dim, start, std::min(len - start, s.block_size));
+template <typename T>
+const T *row_at(const T *head, const int64_t *table, int64_t t, int64_t len, const Shape &s) {
+    if (const int64_t ahead = t + PREFETCH_ROWS; ahead < len) {
+        const char *row = reinterpret_cast<const char *>(
+            head + (table[ahead / s.block_size] * s.block_size + ahead % s.block_size) * s.head_dim);
+        for (int64_t line = 0; line < int64_t(sizeof(T)) * s.head_dim; line += 64) __builtin_prefetch(row + line);
     }
+    return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
 }
 
 // The generic path (any head size): one dot product per position and query head.
@@ -61,17 +55,15 @@ template <int HEAD_DIM, typename T>
 void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
                float *scores) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s);
-    for_each_block(k_head, table, len, s, [&](const T *rows, int64_t start, int64_t n) {
+    for (int64_t t = 0; t < len; t++) {
+        const T *row = row_at(k_head, table, t, len, s);
         for (int64_t g = 0; g < s.group_size; g++) {
-            const float *qg = q + g * dim;
-            for (int64_t t = 0; t < n; t++) {
-                float dot = 0.0f;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qg[d] * to_float(rows[t * dim + d]);
-                scores[g * len + start + t] = dot;
-            }
+            for (int64_t d = 0; d < dim; d++) dot += q[g * dim + d] * to_float(row[d]);
+            scores[g * len + t] = dot;
         }
-    });
+    }
 }
 
 // Each of `rows` rows of len scores (rows `stride` apart) to its softmax, in place.
@@ -95,15 +87,12 @@ void weighted_values(const float *probs, const T *v_head, const int64_t *table, 
                      float *acc) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s);
     std::memset(acc, 0, sizeof(float) * s.group_size * dim);
-    for_each_block(v_head, table, len, s, [&](const T *rows, int64_t start, int64_t n) {
-        for (int64_t g = 0; g < s.group_size; g++) {
-            const float *p = probs + g * len + start;
-            float *ag = acc + g * dim;
-            for (int64_t t = 0; t < n; t++)
+    for (int64_t t = 0; t < len; t++) {
+        const T *row = row_at(v_head, table, t, len, s);
+        for (int64_t g = 0; g < s.group_size; g++)
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) ag[d] += p[t] * to_float(rows[t * dim + d]);
-        }
-    });
+            for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += probs[g * len + t] * to_float(row[d]);
+    }
 }
 
 // The fast path, for head sizes of whole vectors: q (scores) or the output (values) of up to HEADS query
@@ -134,20 +123,6 @@ inline fvec sum_lanes(fvec *p) {
             p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.lo[level]) +
                    __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.hi[level]);
     return p[0];
-}
-
-// Position t's row of one head; the row PREFETCH_ROWS later is prefetched. One row at a time: a block's
-// worth of prefetches at once fills the line-fill buffers and stalls the core.
-constexpr int64_t PREFETCH_ROWS = 16;
-
-template <typename T>
-const T *row_at(const T *head, const int64_t *table, int64_t t, int64_t len, const Shape &s) {
-    if (const int64_t ahead = t + PREFETCH_ROWS; ahead < len) {
-        const char *row = reinterpret_cast<const char *>(
-            head + (table[ahead / s.block_size] * s.block_size + ahead % s.block_size) * s.head_dim);
-        for (int64_t line = 0; line < int64_t(sizeof(T)) * s.head_dim; line += 64) __builtin_prefetch(row + line);
-    }
-    return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
 }
 
 // scores[g][t] = q[g] . k[t] for HEADS query heads (q scaled, float32 [HEADS][N * VLEN]); scores rows are
