@@ -16,10 +16,13 @@ SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 # Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
 # even at 128); bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few rows on).
-# On AMX up to 256 rows: oneDNN reorders the plain bf16 weight into its tile layout on every call, which the
-# packed copy never does (1.2-1.4x at 64-256 rows in-model and alone; oneDNN wins from 512 on).
+# On AMX at every row count: oneDNN reorders the plain bf16 weight into its tile layout on
+# every call, which the packed copy never does (1.2-1.4x at 64-256 rows), and JITs a kernel for every new row
+# count (3-40 ms each, and prefill and serving row counts change every step); at 512-2048 rows the chunked
+# tile GEMM runs at oneDNN's warm speed.
+ANY_ROWS = 1 << 62
 MAX_ROWS = {torch.float32: 96}
-MAX_ROWS_AMX = 256
+MAX_ROWS_AMX = ANY_ROWS
 
 
 @functools.cache
@@ -83,7 +86,8 @@ class CpuLinear:
 
     def __init__(self, weight: Tensor, library: ctypes.CDLL | None = None, max_rows: int | None = None,
                  gated: bool = False, packed: Tensor | None = None):
-        """packed: weight already in this library's layout (another kernel's packed copy), used as it is."""
+        """max_rows: the most rows a call runs here (None: the default for the dtype and ISA).
+        packed: weight already in this library's layout (another kernel's packed copy), used as it is."""
         library = library if library is not None else load_library()
         panel = library.linear_panel()
         if reason := unsupported_reason(weight, panel):

@@ -33,14 +33,14 @@ def test_matches_f_linear(target, dtype):
 @pytest.mark.skipif(not (cpu_linear.load_library().linear_amx() and "amx_bf16" in cpu_info.cpu_flags()),
                     reason="no AMX bf16 tiles on this CPU")
 def test_amx_tiles_match_f_linear():
-    """Row blocks of up to 32 (two A tiles) on the tile unit, full and partial, one to eight of them; K in
-    32-wide steps."""
+    """Row blocks of up to 32 (two A tiles) on the tile unit, full and partial, one to eight of them, and
+    prefill-sized inputs across 256-row chunks (every row count runs here); K in 32-wide steps."""
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(64, 96, generator=g).bfloat16()
     bias = torch.randn(64, generator=g).bfloat16()
     kernel = CpuLinear(weight)
     assert kernel.on_amx and kernel.max_rows == cpu_linear.MAX_ROWS_AMX
-    for rows in (1, 9, 16, 17, 31, 32, 40, 64, 100, 256):
+    for rows in (1, 9, 16, 17, 31, 32, 40, 64, 100, 256, 257, 300, 700):
         x = torch.randn(rows, 96, generator=g).bfloat16()
         expected = F.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(kernel(x, bias).double(), expected, **TOLERANCE[torch.bfloat16])

@@ -1,5 +1,6 @@
 // out = x W^T (+ bias) for decode-sized x (a few dozen rows), where oneDNN's small-M kernels stream a packed
-// weight at about half the memory bandwidth and run their FMAs at about two thirds of the tile kernel's rate.
+// weight at about half the memory bandwidth and run their FMAs at about two thirds of the tile kernel's rate;
+// with AMX for any number of rows (oneDNN JITs a new kernel for every new row count, 3-40 ms each).
 // Panels (PANEL output columns each) are shared by the threads; every row block of a panel runs while the
 // panel is in L2, so the weight is streamed from memory once per call.
 // Weights are packed by pagedmoe/layers/cpu_linear.py as [N / PANEL, K, PANEL] (bf16 in k-pairs where the
@@ -106,6 +107,9 @@ bool amx_ready() { return false; }
 
 // Calls epilogue(j, r, n, acc) for every panel j and row block [r, r + n) of x times the panels w: acc is the
 // block's float32 tile [n][PANEL]. AMX (bf16 only): 16-row blocks on the tile unit, else the vector tiles.
+// Prefill-sized x runs in chunks of CHUNK_ROWS rows (every panel over one chunk, then the next), so a chunk
+// stays in L2 while the weight streams past it: 1.1-1.3x at 1024-2048 rows against whole-x passes per panel.
+constexpr int64_t CHUNK_ROWS = 256;
 template <bool AMX, typename T, typename Epilogue>
 void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, int num_threads, Epilogue epilogue) {
     constexpr bool ON_TILES = AMX && HAS_AMX && std::is_same_v<T, BF16>;
@@ -116,9 +120,11 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
         Amx amx;
         const T *rows[MAX_ROWS];
         alignas(64) float acc[std::max(AMX_ROWS, MAX_ROWS) * PANEL];
+        const int64_t num_chunks = (s.rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < num_panels; j++)
-            for (int64_t r = 0; r < s.rows; r += BLOCK) {
+        for (int64_t i = 0; i < num_chunks * num_panels; i++) {
+            const int64_t j = i % num_panels, end = std::min(s.rows, (i / num_panels + 1) * CHUNK_ROWS);
+            for (int64_t r = i / num_panels * CHUNK_ROWS; r < end; r += BLOCK) {
                 const int n = int(std::min<int64_t>(BLOCK, s.rows - r));
                 if constexpr (ON_TILES) {
                     amx.tile(n, x + r * K, w + j * K * PANEL, K, acc);
@@ -128,6 +134,7 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
                 }
                 epilogue(j, r, n, acc);
             }
+        }
     }
 }
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from pagedmoe.layers import cpu_build, cpu_linear
 from pagedmoe.layers.activation import silu_and_mul
 from pagedmoe.layers.cpu_build import num_threads, ptr
-from pagedmoe.layers.cpu_linear import CpuLinear, in_k_pairs, pack_gate_up, pack_panels
+from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear, in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
@@ -20,9 +20,10 @@ ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"
 # it oneDNN's large-tile GEMMs (AMX for bf16) win: measured on a Sapphire Rapids, 8 experts, 768 -> 1024.
 MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 16}
 # With AMX, bf16 batches past 12 rows per expert run each expert on the AMX tile GEMM instead (alone: 1.2x
-# at 8 and 1.9x at 16 rows per expert; in a decode step of 8 experts: even at 6-8, 1.2x at 16), up to 128 rows
-# per expert (1.3x oneDNN at 64; oneDNN wins at 256).
-MAX_ROWS_PER_EXPERT_AMX, MAX_ROWS_AMX_EXPERT = 12, 128
+# at 8 and 1.9x at 16 rows per expert; in a decode step of 8 experts: even at 6-8, 1.2x at 16), at any number
+# of rows: 1.3x oneDNN at 64, and in prefill, where every step routes a new row count to each expert, oneDNN
+# JITs a kernel per expert and row count (a 2048-token MoE layer: 98 ms against 40).
+MAX_ROWS_PER_EXPERT_AMX = 12
 
 
 @functools.cache
@@ -81,8 +82,8 @@ class CpuFusedMoE:
 
 class ExpertProjection:
     """One expert's gate_up (gated) or down projection for batches past the fused kernel: the AMX tile GEMM
-    on the fused kernel's own packed copy (no third copy of the weights), oneDNN on the original weight past
-    the tile GEMM's rows."""
+    on the fused kernel's own packed copy (no third copy of the weights); oneDNN on the original weight only
+    where the kernel does not fit (autograd)."""
 
     def __init__(self, kernel: CpuLinear, weight: Tensor):
         self.kernel, self.weight = kernel, weight
@@ -106,9 +107,8 @@ def amx_experts(w13: Tensor, w2: Tensor, packed_w13: Tensor, packed_w2: Tensor,
     if library.linear_panel() != panel or not cpu_linear.uses_amx(library, w13[0]) \
             or not cpu_linear.uses_amx(library, w2[0]) or not library.linear_bf16_pairs():
         return None
-    rows = MAX_ROWS_AMX_EXPERT
-    return ([ExpertProjection(CpuLinear(w, library, rows, gated=True, packed=p), w) for w, p in zip(w13, packed_w13)],
-            [ExpertProjection(CpuLinear(w, library, rows, packed=p), w) for w, p in zip(w2, packed_w2)])
+    return ([ExpertProjection(CpuLinear(w, library, ANY_ROWS, gated=True, packed=p), w) for w, p in zip(w13, packed_w13)],
+            [ExpertProjection(CpuLinear(w, library, ANY_ROWS, packed=p), w) for w, p in zip(w2, packed_w2)])
 
 
 def call_projection(x: Tensor, projection: ExpertProjection, bias: Tensor | None) -> Tensor:

@@ -131,8 +131,8 @@ def bf16_layer(inter=64):
 
 @pytest.mark.skipif(not AMX, reason="no AMX bf16 tiles on this CPU")
 def test_amx_experts_match_the_exact_loop():
-    """Past the fused kernel's rows each expert runs on AMX tiles over the fused kernel's packed copy, and
-    past MAX_ROWS_AMX_EXPERT rows on oneDNN: every regime against the float64 loop."""
+    """Past the fused kernel's rows each expert runs on AMX tiles over the fused kernel's packed copy, at
+    decode and at prefill sizes (past one 256-row chunk): every regime against the float64 loop."""
     torch.manual_seed(1)
     layer = bf16_layer()
     with torch.inference_mode():
@@ -146,7 +146,8 @@ def test_amx_experts_match_the_exact_loop():
             expected = exact(x, layer.w13, layer.w2, topk_weights, topk_ids)
             got = layer.routed_output(x, topk_weights, topk_ids).float()  # rounded to bf16, as the layer returns
             torch.testing.assert_close(got, expected, atol=2e-2 * float(expected.abs().max()), rtol=2e-2)
-    assert calls  # the middle batch ran on the tiles
+    rows = sorted(args[3].rows for args in calls)  # gate_up calls: (x, w, out, shape, num_threads)
+    assert rows[0] < 32 and rows[-1] > 256  # the decode and the prefill batches both ran on the tiles
 
 
 def test_amx_experts_follow_the_reported_cpu(monkeypatch):
