@@ -85,9 +85,8 @@ class CpuLinear:
     gate_up [2I, K] and the call returns silu(x gate^T) * (x up^T), [..., I] (no bias)."""
 
     def __init__(self, weight: Tensor, library: ctypes.CDLL | None = None, max_rows: int | None = None,
-                 gated: bool = False, packed: Tensor | None = None):
-        """max_rows: the most rows a call runs here (None: the default for the dtype and ISA).
-        packed: weight already in this library's layout (another kernel's packed copy), used as it is."""
+                 gated: bool = False):
+        """max_rows: the most rows a call runs here (None: the default for the dtype and ISA)."""
         library = library if library is not None else load_library()
         panel = library.linear_panel()
         if reason := unsupported_reason(weight, panel):
@@ -98,7 +97,7 @@ class CpuLinear:
         self.fn.restype = None
         self.out_features, self.in_features = weight.shape[0] // (2 if gated else 1), weight.shape[1]
         self.max_rows = max_rows if max_rows is not None else default_max_rows(weight.dtype, self.on_amx)
-        self.weight = packed if packed is not None else pack_for(library, weight, panel, gated)
+        self.weight = pack_for(library, weight, panel, gated)
 
     def fits(self, x: Tensor) -> bool:
         """Whether x is decode-sized, where the kernel is the faster path (and no autograd)."""

@@ -1,29 +1,28 @@
 """The CPU fused-MoE kernel (csrc/fused_moe.cpp): all routed experts of a layer in one call, each active
-expert's weights streamed from memory once, for decode-sized batches. Built and loaded by
-layers/cpu_build.py; RuntimeError where it cannot be, and FusedMoE then keeps its expert loop."""
+expert's weights streamed from memory once, for decode-sized batches (bf16 on AMX tiles: batches of any size).
+Built and loaded by layers/cpu_build.py; RuntimeError where it cannot be, and FusedMoE then keeps its expert
+loop."""
 import ctypes
 import functools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from pagedmoe.layers import cpu_build, cpu_linear
-from pagedmoe.layers.activation import silu_and_mul
+from pagedmoe.cpu_info import cpu_flags
+from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
-from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear, in_k_pairs, pack_gate_up, pack_panels
+from pagedmoe.layers.cpu_linear import in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
 # Up to this many (token, expert) pairs per expert on average the kernel beats the oneDNN expert loop; above
 # it oneDNN's large-tile GEMMs (AMX for bf16) win: measured on a Sapphire Rapids, 8 experts, 768 -> 1024.
 MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 16}
-# With AMX, bf16 batches past 12 rows per expert run each expert on the AMX tile GEMM instead (alone: 1.2x
-# at 8 and 1.9x at 16 rows per expert; in a decode step of 8 experts: even at 6-8, 1.2x at 16), at any number
-# of rows: 1.3x oneDNN at 64, and in prefill, where every step routes a new row count to each expert, oneDNN
-# JITs a kernel per expert and row count (a 2048-token MoE layer: 98 ms against 40).
-MAX_ROWS_PER_EXPERT_AMX = 12
+# With AMX, bf16 batches of every size run the same kernel on AMX tiles instead: 8 experts 768 -> 1024, 12
+# layers, against the vector kernel 1.0x at 4 tokens, 1.2x at 16, 1.4x at 32, 1.9x at 48; against one AMX
+# call per expert 1.3-1.75x at 32-128 tokens; and no fall back to oneDNN past decode sizes, which JITs a
+# kernel per expert and row count, new in every prefill step (a 2048-token layer: 98 ms against 40).
 
 
 @functools.cache
@@ -60,13 +59,16 @@ class CpuFusedMoE:
         self.w13, self.w2 = pack_gate_up(w13, panel), pack_panels(w2, panel)
         if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
             self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
-        self.experts = amx_experts(w13, w2, self.w13, self.w2, panel)
-        rows = MAX_ROWS_PER_EXPERT[w13.dtype] if self.experts is None else MAX_ROWS_PER_EXPERT_AMX
-        self.max_pairs = rows * self.num_experts
+        self.amx_fn = amx_entry_point(library, w13)
+        if self.amx_fn is not None:
+            self.fn = self.amx_fn
+        self.max_pairs = MAX_ROWS_PER_EXPERT[w13.dtype] * self.num_experts
 
     def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
-        """Whether this batch is decode-sized, where the kernel is the faster path (and no autograd)."""
-        return topk_ids.numel() <= self.max_pairs and not (torch.is_grad_enabled() and x.requires_grad)
+        """Whether this batch runs here: decode-sized, or any size on AMX (and no autograd)."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            return False
+        return self.amx_fn is not None or topk_ids.numel() <= self.max_pairs
 
     def __call__(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if x.dtype != self.w13.dtype or x.shape[-1] != self.hidden:
@@ -79,37 +81,17 @@ class CpuFusedMoE:
         return out
 
 
-
-class ExpertProjection:
-    """One expert's gate_up (gated) or down projection for batches past the fused kernel: the AMX tile GEMM
-    on the fused kernel's own packed copy (no third copy of the weights); oneDNN on the original weight only
-    where the kernel does not fit (autograd)."""
-
-    def __init__(self, kernel: CpuLinear, weight: Tensor):
-        self.kernel, self.weight = kernel, weight
-        self.shape = weight.shape  # looped_experts reads the down projection's output width from it
-
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if self.kernel.fits(x):
-            return self.kernel(x)
-        out = F.linear(x, self.weight)
-        return silu_and_mul(out) if self.kernel.gated else out
-
-
-def amx_experts(w13: Tensor, w2: Tensor, packed_w13: Tensor, packed_w2: Tensor,
-                panel: int) -> tuple[list, list] | None:
-    """Per-expert projections (of detached w13 / w2) on AMX, where the linear kernel runs bf16 on AMX tiles
-    and shares the fused kernel's layout (the same panel width, k-pairs); None elsewhere."""
-    try:
-        library = cpu_linear.load_library()
-    except RuntimeError:
+def amx_entry_point(library: ctypes.CDLL, w13: Tensor):
+    """The kernel on AMX tiles, for bf16 experts whose hidden and intermediate sizes fill whole 32-wide
+    k-steps, on a CPU (as cpu_info reports it, so PAGEDMOE_CPU_FLAGS can take AMX away in tests) and kernel
+    that grant AMX; None elsewhere."""
+    hidden, inter = w13.shape[2], w13.shape[1] // 2
+    if w13.dtype != torch.bfloat16 or hidden % 32 or inter % 32 or "amx_bf16" not in cpu_flags():
         return None
-    if library.linear_panel() != panel or not cpu_linear.uses_amx(library, w13[0]) \
-            or not cpu_linear.uses_amx(library, w2[0]) or not library.linear_bf16_pairs():
+    if not library.fused_moe_amx():
         return None
-    return ([ExpertProjection(CpuLinear(w, library, ANY_ROWS, gated=True, packed=p), w) for w, p in zip(w13, packed_w13)],
-            [ExpertProjection(CpuLinear(w, library, ANY_ROWS, packed=p), w) for w, p in zip(w2, packed_w2)])
+    fn = library.fused_moe_amx_bf16
+    fn.restype = None
+    return fn
 
 
-def call_projection(x: Tensor, projection: ExpertProjection, bias: Tensor | None) -> Tensor:
-    return projection(x, bias)

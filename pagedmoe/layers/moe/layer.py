@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
-from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, call_projection, load_library, unsupported_reason
-from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts, looped_experts
+from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, load_library, unsupported_reason
+from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
 from pagedmoe.layers.moe.weight_utils import copy_weight
@@ -80,9 +80,6 @@ class FusedMoE(nn.Module):
         if self.cpu_experts is not None:
             if self.cpu_experts.fits(x, topk_ids):
                 return self.cpu_experts(x, topk_weights, topk_ids).to(x.dtype)
-            if self.cpu_experts.experts is not None:
-                return looped_experts(x, *self.cpu_experts.experts, topk_weights, topk_ids, nn.Identity(), None,
-                                      None, call_projection).to(x.dtype)
             return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, use_grouped_mm=False)
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
                              self.w13_bias, self.w2_bias, packed=self.packed_experts)

@@ -118,7 +118,7 @@ def test_native_build_matches_the_cpu():
     assert has_pairs == ("avx512_bf16" in cpu_info.detected_cpu_flags())
 
 
-AMX = cpu_kernel.cpu_linear.load_library().linear_amx() and "amx_bf16" in cpu_info.cpu_flags()
+AMX = cpu_kernel.load_library().fused_moe_amx() and "amx_bf16" in cpu_info.cpu_flags()
 
 
 def bf16_layer(inter=64):
@@ -131,23 +131,26 @@ def bf16_layer(inter=64):
 
 @pytest.mark.skipif(not AMX, reason="no AMX bf16 tiles on this CPU")
 def test_amx_experts_match_the_exact_loop():
-    """Past the fused kernel's rows each expert runs on AMX tiles over the fused kernel's packed copy, at
-    decode and at prefill sizes (past one 256-row chunk): every regime against the float64 loop."""
+    """On AMX the kernel runs every batch on the tiles, from one row per expert to prefill sizes (row blocks
+    of 32 and their remainders), ids of other ranks skipped: every regime against the float64 loop."""
     torch.manual_seed(1)
     layer = bf16_layer()
     with torch.inference_mode():
-        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1 and layer.cpu_experts.experts is not None
+        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1 and layer.cpu_experts.amx_fn is not None
         calls = []
-        for projection in layer.cpu_experts.experts[0]:
-            projection.kernel.fn = record_calls(projection.kernel.fn, calls)
+        layer.cpu_experts.fn = record_calls(layer.cpu_experts.amx_fn, calls)
         for num_tokens in (3, 60, 1200):  # ~1, ~20 and ~400 rows per expert
             x = torch.randn(num_tokens, HIDDEN).bfloat16()
             topk_weights, topk_ids = select_experts(layer.router, layer.router_logits(x), None)
             expected = exact(x, layer.w13, layer.w2, topk_weights, topk_ids)
             got = layer.routed_output(x, topk_weights, topk_ids).float()  # rounded to bf16, as the layer returns
             torch.testing.assert_close(got, expected, atol=2e-2 * float(expected.abs().max()), rtol=2e-2)
-    rows = sorted(args[3].rows for args in calls)  # gate_up calls: (x, w, out, shape, num_threads)
-    assert rows[0] < 32 and rows[-1] > 256  # the decode and the prefill batches both ran on the tiles
+        masked = topk_ids.clone()
+        masked[::2, 1] = -1
+        got = layer.cpu_experts(x, topk_weights, masked)
+        expected = exact(x, layer.w13, layer.w2, topk_weights * (masked >= 0), topk_ids)
+        torch.testing.assert_close(got, expected, atol=2e-2 * float(expected.abs().max()), rtol=2e-2)
+    assert [args[6].num_tokens for args in calls] == [3, 60, 1200, 1200]
 
 
 def test_amx_experts_follow_the_reported_cpu(monkeypatch):
@@ -155,5 +158,5 @@ def test_amx_experts_follow_the_reported_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16")
     layer = bf16_layer()
     assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1
-    assert layer.cpu_experts.experts is None
+    assert layer.cpu_experts.amx_fn is None
     assert layer.cpu_experts.max_pairs == cpu_kernel.MAX_ROWS_PER_EXPERT[torch.bfloat16] * NUM_EXPERTS

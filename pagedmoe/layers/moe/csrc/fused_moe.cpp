@@ -9,9 +9,11 @@
 // weights are one contiguous stream. Plain C++ with GCC vector types: the compiler emits AVX-512 or AVX2
 // (or SSE) for the target it is built for; bf16 uses avx512_bf16's dot products where the target has them
 // and is widened with integer shifts where it does not.
+// fused_moe_amx_bf16 runs the same steps on AMX tiles for batches of any size (more than a dozen rows per
+// expert): the pairs' rows are first gathered in expert order, so each expert's rows are contiguous A tiles.
 #include <vector>
 
-#include "../../csrc/tile_gemm.h"
+#include "../../csrc/amx_tile.h"
 
 namespace {
 
@@ -70,6 +72,28 @@ void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int6
     }
 }
 
+// The same over x's rows in expert order (xs: row i is pair b.pairs[i]'s), on AMX tiles of up to 32 rows.
+template <typename Fn>
+void for_each_expert_amx_tile(const Buckets &b, int64_t num_panels, const BF16 *xs, int64_t K, const BF16 *w,
+                              int num_threads, Fn fn) {
+    const std::vector<Task> tasks = tasks_of(b, num_panels, K * PANEL * sizeof(BF16));
+#pragma omp parallel num_threads(num_threads)
+    {
+        Amx amx;
+        alignas(64) float acc[AMX_ROWS * PANEL];
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < tasks.size(); i++) {
+            const Task &t = tasks[i];
+            for (int64_t j = t.first_panel; j < t.end_panel; j++)
+                for (int64_t r = b.start[t.expert]; r < b.start[t.expert + 1]; r += AMX_ROWS) {
+                    const int n = int(std::min<int64_t>(AMX_ROWS, b.start[t.expert + 1] - r));
+                    amx.tile(n, xs + r * K, w + (t.expert * num_panels + j) * K * PANEL, K, acc);
+                    fn(j, n, r, acc);
+                }
+        }
+    }
+}
+
 template <typename A, typename W>
 void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, A *inter, int num_threads) {
     for_each_expert_tile(b, s.inter / HALF, x, s.top_k, s.hidden, w13, num_threads,
@@ -105,6 +129,36 @@ void combine(const float *rows, const int64_t *topk_ids, const float *topk_weigh
     }
 }
 
+// inter_sorted[i] = silu(xs[i] G^T) * (xs[i] U^T), then rows[pair] = inter_sorted[i] W2^T, on AMX tiles
+void amx_experts(const BF16 *xs, const BF16 *w13, const BF16 *w2, const Buckets &b, const Shape &s, float *rows,
+                 int num_threads) {
+    std::vector<BF16> inter(b.pairs.size() * s.inter);  // rounded to bf16, as in HF
+    for_each_expert_amx_tile(b, s.inter / HALF, xs, s.hidden, w13, num_threads,
+                             [&](int64_t j, int n, int64_t r, const float *acc) {
+        for (int m = 0; m < n; m++) {
+            BF16 *out = inter.data() + (r + m) * s.inter + j * HALF;
+            for (int c = 0; c < HALF; c++) store(out[c], silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
+        }
+    });
+    for_each_expert_amx_tile(b, s.hidden / PANEL, inter.data(), s.inter, w2, num_threads,
+                             [&](int64_t j, int n, int64_t r, const float *acc) {
+        for (int m = 0; m < n; m++)
+            std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
+    });
+}
+
+void fused_moe_amx(const BF16 *x, const int64_t *topk_ids, const float *topk_weights, const BF16 *w13,
+                   const BF16 *w2, float *out, const Shape &s, int num_threads) {
+    const Buckets b = bucket(topk_ids, s);
+    std::vector<BF16> xs(b.pairs.size() * s.hidden);
+#pragma omp parallel for num_threads(num_threads)
+    for (size_t i = 0; i < b.pairs.size(); i++)  // pairs of an unknown expert stay at the end, unused
+        std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(BF16) * s.hidden);
+    std::vector<float> rows(s.num_tokens * s.top_k * s.hidden);
+    amx_experts(xs.data(), w13, w2, b, s, rows.data(), num_threads);
+    combine(rows.data(), topk_ids, topk_weights, s, out, num_threads);
+}
+
 template <typename A>
 void fused_moe(const A *x, const int64_t *topk_ids, const float *topk_weights, const A *w13, const A *w2,
                float *out, const Shape &s, int num_threads) {
@@ -120,6 +174,8 @@ void fused_moe(const A *x, const int64_t *topk_ids, const float *topk_weights, c
 
 extern "C" int fused_moe_panel() { return PANEL; }
 extern "C" int fused_moe_bf16_pairs() { return PAIRS; }  // bf16 weights packed in k-pairs
+// 1 where bf16 experts can run on AMX tiles: built for them, and the kernel granted the tile state
+extern "C" int fused_moe_amx() { return HAS_AMX && PAIRS && amx_ready(); }
 
 #define EXPORT(NAME, T)                                                                                 \
     extern "C" void NAME(const T *x, const int64_t *topk_ids, const float *topk_weights, const T *w13,  \
@@ -128,3 +184,7 @@ extern "C" int fused_moe_bf16_pairs() { return PAIRS; }  // bf16 weights packed 
     }
 EXPORT(fused_moe_f32, float)
 EXPORT(fused_moe_bf16, BF16)
+extern "C" void fused_moe_amx_bf16(const BF16 *x, const int64_t *topk_ids, const float *topk_weights,
+                                   const BF16 *w13, const BF16 *w2, float *out, Shape shape, int num_threads) {
+    fused_moe_amx(x, topk_ids, topk_weights, w13, w2, out, shape, num_threads);
+}
