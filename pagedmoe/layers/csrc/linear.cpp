@@ -37,7 +37,7 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
             for (int64_t r = i / num_panels * CHUNK_ROWS; r < end; r += BLOCK) {
                 const int n = int(std::min<int64_t>(BLOCK, s.rows - r));
                 if constexpr (ON_TILES) {
-                    amx.tile(n, x + r * K, w + j * K * PANEL, K, acc);
+                    amx.tile(n, x + r * K, w + j * K * PANEL, K, acc, r % CHUNK_ROWS == 0);
                 } else {
                     for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
                     tile(n, rows, w + j * K * PANEL, K, acc);

@@ -87,7 +87,8 @@ void for_each_expert_amx_tile(const Buckets &b, int64_t num_panels, const BF16 *
             for (int64_t j = t.first_panel; j < t.end_panel; j++)
                 for (int64_t r = b.start[t.expert]; r < b.start[t.expert + 1]; r += AMX_ROWS) {
                     const int n = int(std::min<int64_t>(AMX_ROWS, b.start[t.expert + 1] - r));
-                    amx.tile(n, xs + r * K, w + (t.expert * num_panels + j) * K * PANEL, K, acc);
+                    amx.tile(n, xs + r * K, w + (t.expert * num_panels + j) * K * PANEL, K, acc,
+                             r == b.start[t.expert]);
                     fn(j, n, r, acc);
                 }
         }
