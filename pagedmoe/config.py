@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedmoe.cpu_info import cpu_compute_dtype
+from pagedmoe.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -41,6 +42,7 @@ class EngineConfig:
     cpu_moe_kernel: bool = True  # CPU: decode-sized MoE batches run all experts in one C++ call (built on first use)
     cpu_linear_kernel: bool = True  # CPU: decode-sized float32 linears run on a C++ tile GEMM (built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
+    speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -51,6 +53,7 @@ class EngineConfig:
         self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
         self.tokenizer = self.tokenizer or self.model
         self._check_choices()
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or limit, limit)
 

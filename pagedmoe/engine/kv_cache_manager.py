@@ -99,7 +99,7 @@ class KVCacheManager:
             self._copy_on_write(seq)
             num_needed -= 1
         seq.block_table.extend(self.pool.allocate() for _ in range(num_needed))
-        self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        self._cache_full_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, len(seq)))  # no draft token
         return True
 
     def _reserve(self, seq: Sequence) -> bool:

@@ -14,9 +14,11 @@ from pagedmoe.engine.detokenizer import Detokenizer
 from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
-from pagedmoe.engine.sequence import Request, Sequence
+from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.spec_decode.acceptance import num_accepted
+from pagedmoe.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 PromptType = str | list[int] | dict
@@ -42,6 +44,7 @@ class EngineStats:
     num_offloaded_blocks: int  # evicted cached blocks copied to the host tier
     num_spilled_blocks: int  # host-tier blocks written to the disk tier
     expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts and accepted tokens
 
     @property
     def kv_cache_usage(self) -> float:
@@ -67,6 +70,8 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         shape = self.runner.expert_load_shape
         self.expert_load = torch.zeros(shape, dtype=torch.long) if shape else None
+        self.proposer = make_proposer(config.speculative_config, config.max_model_len)
+        self.spec_decode_stats = SpecDecodeStats()
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -226,7 +231,19 @@ class LLMEngine:
             self.expert_load += out.expert_load.cpu()
         self._append_prompt_logprobs(sched, out)
         touched = self._append_samples(out, now)
+        if self.proposer is not None:
+            self._propose_drafts(touched)
         return [self._make_output(request, now) for request in touched]
+
+    def _propose_drafts(self, requests: list[Request]):
+        """Draft tokens for every running sequence whose next step is a decode, unless the batch is past
+        speculative_config.disable_by_batch_size."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
+        for seq in (s for request in requests for s in request.seqs):
+            if seq.status == SequenceStatus.RUNNING and len(seq) == seq.num_computed_tokens + 1:
+                seq.spec_token_ids = self.proposer.propose(seq)
 
     def _append_prompt_logprobs(self, sched: SchedulerOutput, out: ModelRunnerOutput):
         for seq in sched.seqs:
@@ -244,9 +261,10 @@ class LLMEngine:
         sampled, token_ids = out.sampled, out.sampled.token_ids.tolist()
         row, touched, failed = 0, {}, {}
         for seq, num_samples in zip(out.sample_seqs, out.num_samples):
+            num_rows = 1 if seq.request.beam is not None else num_samples + len(seq.spec_token_ids)
             with failures_into(failed, seq.request):
                 self._append_rows(seq, num_samples, sampled, token_ids, row)
-            row += 1 if seq.request.beam is not None else num_samples
+            row += num_rows
             touched[seq.request.request_id] = seq.request
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
             seq.request.metrics.last_token_time = now
@@ -261,8 +279,22 @@ class LLMEngine:
         if seq.request.beam is not None:
             seq.beam_candidates = _beam_candidates(seq, sampled, row)
             return
+        if seq.spec_token_ids:
+            return self._append_verified(seq, sampled, token_ids, row)
         for offset, s in enumerate([seq] + self._fork(seq, num_samples)):
             self._append_token(s, token_ids[row + offset], sampled, row + offset)
+
+    def _append_verified(self, seq: Sequence, sampled, token_ids: list[int], row: int):
+        """A speculating sequence's rows: the accepted drafts and the draw after them, one token at a time
+        through the stop checks; the rejected drafts' positions are rolled back (their KV is overwritten)."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        accepted = num_accepted(drafts, token_ids[row:row + len(drafts) + 1])
+        seq.num_computed_tokens -= len(drafts) - accepted
+        self.spec_decode_stats.record(len(drafts), accepted)
+        for offset in range(accepted + 1):
+            self._append_token(seq, token_ids[row + offset], sampled, row + offset)
+            if seq.finish_reason is not None:
+                return
 
     def _step_beams(self, request: Request):
         live = [s for s in request.seqs if not s.is_finished]
@@ -379,7 +411,8 @@ class LLMEngine:
                            self.num_finished_requests, self.kv.num_queried_tokens,
                            sum(self.kv.num_hit_tokens.values()), dict(self.kv.num_hit_tokens),
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
-                           [] if self.expert_load is None else self.expert_load.tolist())
+                           [] if self.expert_load is None else self.expert_load.tolist(),
+                           self.spec_decode_stats.copy() if self.proposer is not None else None)
 
 
 def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:

@@ -55,7 +55,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            num_new = min(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            del seq.spec_token_ids[max(seq.num_computed_tokens + num_new - len(seq), 0):]  # drafts past the budget
             if num_new == 0:
                 index += 1
                 continue
@@ -76,6 +77,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence):
+        seq.spec_token_ids = []
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED

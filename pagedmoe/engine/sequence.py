@@ -66,6 +66,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.beam_candidates = None  # list[BeamCandidate] sampled but not yet selected
+        self.spec_token_ids: list[int] = []  # draft tokens for the next step: not committed, never hashed
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 class ModelRunnerOutput:
     sample_seqs: list[Sequence]  # sequences that sampled this step
     num_samples: list[int]  # rows per sequence (n when a prompt finishes and the request forks)
-    sampled: SamplerOutput  # rows in the order of sample_seqs, expanded by num_samples
+    sampled: SamplerOutput  # rows in the order of sample_seqs, expanded by num_samples, then by drafts:
+    #                         a sequence with k draft tokens has k + 1 rows, one per position it verifies
     prompt_logprobs: dict[int, tuple[int, torch.Tensor, torch.Tensor]]  # seq_id -> (first position, logprobs, ids)
     expert_load: torch.Tensor | None  # [num_moe_layers, num_experts] tokens routed this step
 
@@ -104,11 +105,12 @@ class ModelRunner:
         if self.expert_load_shape:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
-        sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s)]
+        sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
         logits = self.model.compute_logits(hidden[self._sample_rows(sched, ends)])
-        if any(n > 1 for n in num_samples):
-            logits = logits.repeat_interleave(torch.tensor(num_samples, device=logits.device), dim=0)
+        if any(n > 1 for n in num_samples):  # a forking sequence has no drafts: its one row serves n samples
+            repeats = [r for seq, n in zip(sample_seqs, num_samples) for r in [n] * (1 + len(seq.spec_token_ids))]
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
         prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load)
@@ -117,14 +119,15 @@ class ModelRunner:
         rows, offset = [], 0
         for seq, num_new, end in zip(sched.seqs, sched.num_new_tokens, ends):
             offset += num_new
-            if end == len(seq):
-                rows.append(offset - 1)
+            num_drafts = len(seq.spec_token_ids)
+            if end == len(seq) + num_drafts:
+                rows.extend(range(offset - 1 - num_drafts, offset))
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _prepare_inputs(self, sched: SchedulerOutput):
         starts = [seq.num_computed_tokens for seq in sched.seqs]
         ends = [start + n for start, n in zip(starts, sched.num_new_tokens)]
-        input_ids = [t for seq, start, end in zip(sched.seqs, starts, ends) for t in seq.token_ids[start:end]]
+        input_ids = [t for seq, start, end in zip(sched.seqs, starts, ends) for t in _tokens(seq, start, end)]
         query_lens = torch.tensor(sched.num_new_tokens, dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(sched.seqs)), query_lens)
         query_start = torch.cumsum(query_lens, 0) - query_lens
@@ -137,11 +140,11 @@ class ModelRunner:
         return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta, ends)
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:
-        rows = [(seq, i) for seq, n in zip(seqs, num_samples) for i in range(n)]
+        rows = _sampling_rows(seqs, num_samples)
         params = [seq.params for seq, _ in rows]
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=self.device)
         counts, prompt_mask = self._penalty_inputs(rows)
-        generators = [_row_generator(seq, i, n) for (seq, i), n in zip(rows, _repeat(num_samples))]
+        generators = [generator for _, generator in rows]
         return SamplingBatch(
             as_tensor([p.temperature for p in params]), as_tensor([p.top_p for p in params]),
             as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
@@ -183,6 +186,11 @@ class ModelRunner:
         return result
 
 
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Positions [start, end) of the sequence followed by its draft tokens."""
+    return (seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids)[start:end]
+
+
 def _num_samples(seq: Sequence) -> int:
     num = seq.params.num_samples
     return num if len(seq.request.seqs) < num and seq.num_output_tokens == 0 else 1
@@ -194,14 +202,16 @@ def _num_logprobs(params) -> int:
     return 0 if params.num_samples > params.n else -1
 
 
-def _row_generator(seq: Sequence, row: int, num_rows: int) -> torch.Generator | None:
-    if seq.request.generators is None:
-        return None
-    return seq.request.generators[row] if num_rows > 1 else seq.generator
-
-
-def _repeat(num_samples: list[int]) -> list[int]:
-    return [n for n in num_samples for _ in range(n)]
+def _sampling_rows(seqs: list[Sequence], num_samples: list[int]) -> list[tuple[Sequence, torch.Generator | None]]:
+    """One row per sample of a forking sequence (each sample's own generator), else one per position the
+    sequence verifies (1 + its drafts, all drawing from its generator)."""
+    rows = []
+    for seq, n in zip(seqs, num_samples):
+        if n > 1:
+            rows += [(seq, seq.request.generators[i] if seq.request.generators else None) for i in range(n)]
+        else:
+            rows += [(seq, seq.generator)] * (1 + len(seq.spec_token_ids))
+    return rows
 
 
 def _has_penalty(params) -> bool:

@@ -35,6 +35,19 @@ class EngineCollector(Collector):
         yield self._counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         if snap.expert_load:
             yield self._expert_tokens(snap.expert_load)
+        if getattr(stats, "spec_decode", None) is not None:
+            yield from self._spec_decode(stats.spec_decode)
+
+    def _spec_decode(self, spec):
+        yield self._counter("spec_decode_num_drafts", "Sequence-steps that verified draft tokens.", spec.num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+        family = CounterMetricFamily("pagedmoe:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position.",
+                                     labels=[*self.labels, "position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            family.add_metric([*self.labels.values(), str(position)], count)
+        yield family
 
     def _gauge(self, name: str, doc: str, value) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"pagedmoe:{name}", doc, labels=list(self.labels))

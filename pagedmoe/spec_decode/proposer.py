@@ -1,0 +1,56 @@
+from dataclasses import dataclass, field
+
+from pagedmoe.spec_decode.config import SpeculativeConfig
+from pagedmoe.spec_decode.ngram import propose_ngram
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters, since the engine started."""
+    num_drafts: int = 0  # sequence-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.num_accepted_tokens_per_pos))
+
+    def record(self, num_draft_tokens: int, num_accepted: int):
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
+def can_speculate(seq) -> bool:
+    """Beam search runs without drafts; so do sequences whose sampling depends on the tokens before each
+    position in ways the rows of one step do not see (penalties, min_tokens bans still in force)."""
+    params = seq.params
+    if seq.request.beam is not None or seq.num_output_tokens < params.min_tokens:
+        return False
+    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+
+
+def max_draft_tokens(seq, k: int, max_model_len: int) -> int:
+    """k, capped so that the drafts and the token after them fit max_tokens and max_model_len."""
+    return max(min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq) - 1), 0)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
+
+    def propose(self, seq) -> list[int]:
+        k = max_draft_tokens(seq, self.config.num_speculative_tokens, self.max_model_len)
+        if k == 0 or not can_speculate(seq):
+            return []
+        return propose_ngram(seq.token_ids, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+
+
+def make_proposer(config: SpeculativeConfig | None, max_model_len: int) -> NgramProposer | None:
+    return None if config is None else NgramProposer(config, max_model_len)
