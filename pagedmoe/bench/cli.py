@@ -114,8 +114,25 @@ def _latency(args):
     results = _header("latency", args, batches[-1], counts) | {"batch_size": args.batch_size}
     results["pagedmoe"] = bench_latency(llm, batches, args.num_iters_warmup, counts)
     print(latency_lines(results["pagedmoe"]))
+    if llm.engine.config.speculative_config is not None:
+        results |= _without_speculation(args, llm, batches, counts, results["pagedmoe"]["latency_mean_ms"])
     write_json(results, args.output_json)
     return results
+
+
+def _without_speculation(args, llm, batches, counts, spec_latency_ms: float) -> dict:
+    """The same batches on the same engine without speculation, for the speed-up and the acceptance."""
+    from pagedmoe.bench.latency import bench_latency, spec_summary
+    from pagedmoe.bench.report import latency_lines, spec_line
+    stats = llm.engine.get_stats().spec_decode
+    plain = _load_llm(argparse.Namespace(**vars(args) | {"speculative_config": None}), bool(args.dataset))[0]
+    result = {"pagedmoe-no-spec": bench_latency(plain, batches, args.num_iters_warmup, counts)}
+    print("without speculation:\n" + latency_lines(result["pagedmoe-no-spec"]))
+    num_tokens = sum(r.output_len for r in batches[-1])
+    result["spec_decode"] = spec_summary(stats, num_tokens, spec_latency_ms,
+                                         result["pagedmoe-no-spec"]["latency_mean_ms"])
+    print(spec_line(result["spec_decode"]))
+    return result
 
 
 def _serve(args):

@@ -74,6 +74,12 @@ def latency_lines(result: dict) -> str:
         f"(decode steps {result['decode_overhead_pct']:.1f}%), mean {result['overhead_mean_ms']:.2f} ms per step"])
 
 
+def spec_line(spec: dict) -> str:
+    return (f"speculative decoding: {spec['spec_tok_s']:.1f} out tok/s against {spec['no_spec_tok_s']:.1f} without "
+            f"({spec['speedup']:.2f}x); mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+            f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens accepted")
+
+
 def serve_table(rows: list[dict]) -> str:
     lines = [f"{'rate':>6}{'done':>6}{'fail':>5}{'out tok/s':>10}{'goodput':>8}{'TTFT p50':>9}{'p99':>8}"
              f"{'ITL p50':>8}{'p99':>8}{'E2E p50':>9}{'p99':>9}  (ms)"]

@@ -19,7 +19,7 @@ class StepRecord:
     num_seqs: int
     num_tokens: int  # tokens fed this step
     num_prefill_tokens: int  # prompt tokens (or recomputed tokens after a preemption)
-    num_decode_tokens: int  # one token per decoding sequence
+    num_decode_tokens: int  # one token per decoding sequence (1 + its drafts with speculative decoding)
     num_sampled: int  # sequences that sampled a token
     flops: int  # model FLOPs of the step (roofline.ModelFlops rules)
     context_tokens: int  # KV positions the decoding sequences attended over
@@ -38,11 +38,11 @@ def classify(sched, counts: ModelFlops | None) -> dict:
     """Splits a SchedulerOutput (read before execute, so num_computed_tokens is the chunk start)."""
     prefill = decode = sampled = flops = context = 0
     for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
-        start = seq.num_computed_tokens
-        is_decode = num_new == 1 and start >= seq.num_prompt_tokens and start == len(seq) - 1
-        decode, prefill = decode + is_decode, prefill + (0 if is_decode else num_new)
+        start, num_drafts = seq.num_computed_tokens, len(seq.spec_token_ids)  # a decode verifies its drafts
+        is_decode = num_new == 1 + num_drafts and start >= seq.num_prompt_tokens and start == len(seq) - 1
+        decode, prefill = decode + is_decode * num_new, prefill + (0 if is_decode else num_new)
         context += (start + 1) * is_decode
-        samples = start + num_new == len(seq)
+        samples = start + num_new == len(seq) + num_drafts
         sampled += samples
         flops += counts.chunk_flops(start, num_new, samples) if counts else 0
     return {"num_seqs": len(sched.seqs), "num_tokens": prefill + decode, "num_prefill_tokens": prefill,

@@ -47,6 +47,8 @@ def add_workload_args(parser, num_prompts: int = 64, input_len: str = "32-256", 
     parser.add_argument("--output-len", default=output_len, help="output tokens: N or uniform range LOW-HIGH")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON instead of random prompts")
+    parser.add_argument("--prompt-repeats", type=int, default=1, help="random prompts made of a segment "
+                        "repeated N times (a copy-heavy workload, for n-gram speculation); 1: plain random")
 
 
 def build_workload(args, vocab_size: int, tokenizer=None, num_prompts: int | None = None) -> list[BenchRequest]:
@@ -56,8 +58,22 @@ def build_workload(args, vocab_size: int, tokenizer=None, num_prompts: int | Non
         if tokenizer is None:
             raise ValueError("--dataset needs the model's tokenizer")
         return sharegpt_workload(args.dataset, tokenizer, num_prompts)
-    return random_workload(num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab_size,
-                           args.workload_seed)
+    workload = random_workload(num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab_size,
+                               args.workload_seed)
+    return repeat_segments(workload, getattr(args, "prompt_repeats", 1))
+
+
+def repeat_segments(workload: list[BenchRequest], repeats: int) -> list[BenchRequest]:
+    """Each prompt rebuilt, at its length, from its first len / repeats tokens repeated."""
+    if repeats < 1:
+        raise ValueError(f"--prompt-repeats must be >= 1, got {repeats}")
+    if repeats == 1:
+        return workload
+    out = []
+    for r in workload:
+        segment = r.prompt_token_ids[:max(len(r.prompt_token_ids) // repeats, 1)]
+        out.append(BenchRequest((segment * repeats + segment)[:len(r.prompt_token_ids)], r.output_len))
+    return out
 
 
 def workload_summary(workload: list[BenchRequest]) -> dict:

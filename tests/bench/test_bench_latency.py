@@ -77,3 +77,36 @@ def test_decode_steps_record_context_and_distinct_experts(tmp_path):
     decode = [r for r in recorder.records if r.is_decode]
     assert [r.context_tokens for r in decode] == [3 + 5 + 2 * i for i in range(1, 4)]  # positions 0..start
     assert all(4 <= r.active_experts <= 8 for r in decode)  # per layer: 2 tokens x top-2 hit 2 to 4 experts
+
+
+def test_bench_latency_with_speculation_runs_the_same_batches_without_it(dense_model, tmp_path):
+    """--speculative-config: the batches again on the engine without speculation, in the same invocation;
+    a copy-heavy workload (--prompt-repeats) gives the drafts something to find; decode steps that verify
+    drafts still count as decode steps."""
+    out = tmp_path / "latency.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    cli_main(["bench", "latency", "--model", dense_model[0], "--batch-size", "2", "--input-len", "24",
+              "--output-len", "40", "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32",
+              "--prompt-repeats", "3", "--speculative-config", spec, "--output-json", str(out)])
+    results = json.loads(out.read_text())
+    summary = results["spec_decode"]
+    assert results["pagedmoe-no-spec"]["latency_count"] == results["pagedmoe"]["latency_count"] == 1
+    assert summary["num_draft_tokens"] > 0
+    assert summary["mean_acceptance_length"] == pytest.approx(1 + summary["num_accepted_tokens"] / summary["num_drafts"])
+    assert summary["speedup"] == pytest.approx(summary["spec_tok_s"] / summary["no_spec_tok_s"])
+    steps = results["pagedmoe"]["steps"][0]
+    assert sum(s["num_prefill_tokens"] for s in steps) == 2 * 24  # verifying drafts is decoding, not prefill
+    decode_steps = [s for s in steps if s["num_prefill_tokens"] == 0]
+    assert len(decode_steps) == len(steps) - 1
+    assert sum(s["num_decode_tokens"] for s in decode_steps) == \
+        sum(s["num_sampled"] for s in decode_steps) + summary["num_draft_tokens"]  # 1 + its drafts each
+
+
+def test_prompt_repeats_builds_copy_heavy_prompts():
+    from pagedmoe.bench.workload import repeat_segments
+    workload = repeat_segments(random_workload(3, (10, 12), (4, 4), 320, seed=2), 3)
+    for r in workload:
+        segment = r.prompt_token_ids[:len(r.prompt_token_ids) // 3]
+        assert r.prompt_token_ids[:3 * len(segment)] == segment * 3 and 10 <= len(r.prompt_token_ids) <= 12
+    with pytest.raises(ValueError, match="prompt-repeats"):
+        repeat_segments(workload, 0)
