@@ -18,6 +18,7 @@ from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
+from pagedmoe.spec_decode.adaptive import decode_step_kind, make_switch
 from pagedmoe.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -71,6 +72,7 @@ class LLMEngine:
         shape = self.runner.expert_load_shape
         self.expert_load = torch.zeros(shape, dtype=torch.long) if shape else None
         self.proposer = make_proposer(config.speculative_config, config.max_model_len)
+        self.spec_switch = make_switch(config.speculative_config)
         self.spec_decode_stats = SpecDecodeStats()
 
     @classmethod
@@ -185,6 +187,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        start, num_generated = time.perf_counter(), self.num_generation_tokens
+        kind = decode_step_kind(sched) if self.spec_switch is not None else None
         self.runner.apply_transfers(sched)
         try:
             out = self.runner.execute(sched)
@@ -192,7 +196,11 @@ class LLMEngine:
             if is_fatal(error):
                 raise
             return self._step_each_request(sched, error)
-        return self._postprocess(sched, out)
+        outputs = self._postprocess(sched, out)
+        if kind is not None:
+            self.spec_switch.record(len(sched.seqs), kind, time.perf_counter() - start,
+                                    self.num_generation_tokens - num_generated)
+        return outputs
 
     def _step_each_request(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A failed step runs again one request at a time: a request that fails alone gets an error output,
@@ -237,9 +245,11 @@ class LLMEngine:
 
     def _propose_drafts(self, requests: list[Request]):
         """Draft tokens for every running sequence whose next step is a decode, unless the batch is past
-        speculative_config.disable_by_batch_size."""
-        limit = self.config.speculative_config.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) > limit:
+        speculative_config.disable_by_batch_size or, adaptive, measured slower with drafts at its size."""
+        limit, batch_size = self.config.speculative_config.disable_by_batch_size, len(self.scheduler.running)
+        if limit is not None and batch_size > limit:
+            return
+        if self.spec_switch is not None and not self.spec_switch.should_speculate(batch_size):
             return
         for seq in (s for request in requests for s in request.seqs):
             if seq.status == SequenceStatus.RUNNING and len(seq) == seq.num_computed_tokens + 1:

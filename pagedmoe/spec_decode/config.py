@@ -14,6 +14,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None  # no new drafts while more sequences than this are running
+    adaptive: bool = True  # pagedmoe's: speculate only at batch sizes where it measures faster (adaptive.py)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -24,6 +25,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, "
                              f"got {self.num_speculative_tokens!r}")
         self._default_lookup()
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be >= 1")
 

@@ -49,7 +49,7 @@ def test_each_position_has_the_target_distribution(tmp_path):
     prompt = [1, 2] + hf_greedy(model, [1, 2], 12)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_num_seqs=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3})
+                                  "prompt_lookup_max": 3, "adaptive": False})
     params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=NUM_NEW, ignore_eos=True, seed=i)
               for i in range(NUM_DRAWS)]
     outputs = llm.generate([{"prompt_token_ids": prompt}] * NUM_DRAWS, params, use_tqdm=False)

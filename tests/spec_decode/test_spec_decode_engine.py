@@ -9,7 +9,8 @@ import transformers
 from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model
 from pagedmoe import LLM, SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}  # every step that can speculate does (test_adaptive.py covers the switch)
 NUM_NEW = 32
 
 

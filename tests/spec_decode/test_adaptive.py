@@ -1,0 +1,49 @@
+"""The adaptive switch: per batch-size bucket, the faster of speculating and not, by measured seconds per
+emitted token, with the slower mode probed now and then; and through the engine, outputs unchanged."""
+from conftest import assert_all_blocks_free, hf_greedy, make_prompts
+from pagedmoe import LLM, SamplingParams
+from pagedmoe.spec_decode.adaptive import PROBE_EVERY, AdaptiveSwitch, bucket_of
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [1, 2, 2, 3, 3, 4, 7]
+
+
+def run_steps(switch: AdaptiveSwitch, batch_size: int, seconds: dict[bool, float], num_steps: int) -> list[bool]:
+    """num_steps decode steps, each emitting batch_size tokens in seconds[mode]; the modes chosen."""
+    chosen = []
+    for _ in range(num_steps):
+        mode = switch.should_speculate(batch_size)
+        chosen.append(mode)
+        switch.record(batch_size, mode, seconds[mode], batch_size)
+    return chosen
+
+
+def test_measures_both_then_keeps_the_faster_and_probes_the_other():
+    switch, num_steps = AdaptiveSwitch(), 4 * PROBE_EVERY
+    probes = [i for i in range(2, num_steps) if i % PROBE_EVERY == PROBE_EVERY - 1]
+    chosen = run_steps(switch, 4, {True: 0.01, False: 0.02}, num_steps)
+    assert chosen[:2] == [True, False]
+    assert [i for i in range(2, num_steps) if not chosen[i]] == probes
+    slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, num_steps)  # drafts cost more than they give
+    assert [i for i in range(2, num_steps) if slow[i]] == probes
+    assert run_steps(switch, 5, {True: 0.01, False: 0.02}, 4)[-1]  # bucket 4-7 kept what it learned at 4
+
+
+def test_follows_a_change_in_the_workload():
+    switch = AdaptiveSwitch()
+    run_steps(switch, 8, {True: 0.01, False: 0.02}, 2 * PROBE_EVERY)
+    after = run_steps(switch, 8, {True: 0.05, False: 0.02}, 4 * PROBE_EVERY)
+    assert after[-PROBE_EVERY:].count(True) <= 1
+
+
+def test_the_engine_output_is_the_same_with_the_switch(dense_model):
+    path, model = dense_model
+    prompts = [p + p for p in make_prompts(6, seed=11, min_len=4, max_len=16)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 24) for p in prompts]
+    assert llm.engine.spec_switch is not None and llm.engine.spec_switch.buckets
+    assert_all_blocks_free(llm.engine)
