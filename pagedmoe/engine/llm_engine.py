@@ -73,6 +73,7 @@ class LLMEngine:
         self.expert_load = torch.zeros(shape, dtype=torch.long) if shape else None
         self.proposer = make_proposer(config.speculative_config, config.max_model_len)
         self.spec_switch = make_switch(config.speculative_config)
+        self._proposal_s = 0.0  # time the last step spent drafting
         self.spec_decode_stats = SpecDecodeStats()
 
     @classmethod
@@ -199,7 +200,7 @@ class LLMEngine:
         outputs = self._postprocess(sched, out)
         if kind is not None:
             self.spec_switch.record(len(sched.seqs), kind, time.perf_counter() - start,
-                                    self.num_generation_tokens - num_generated)
+                                    self.num_generation_tokens - num_generated, self._proposal_s)
         return outputs
 
     def _step_each_request(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -240,7 +241,9 @@ class LLMEngine:
         self._append_prompt_logprobs(sched, out)
         touched = self._append_samples(out, now)
         if self.proposer is not None:
+            start = time.perf_counter()
             self._propose_drafts(touched)
+            self._proposal_s = time.perf_counter() - start
         return [self._make_output(request, now) for request in touched]
 
     def _propose_drafts(self, requests: list[Request]):

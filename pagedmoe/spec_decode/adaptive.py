@@ -1,10 +1,11 @@
 """Speculation only where it pays: per batch-size bucket, the measured seconds per emitted token of decode
-steps with drafts against steps without, each a moving average; the faster mode runs, and every PROBE_EVERY
-decode steps of a bucket the other mode runs once so that its estimate follows the workload. Outputs do not
-depend on the choice (verification is lossless), only speed does."""
+steps with drafts against steps without, each a moving average; the faster mode runs, and the other runs
+once now and then so that its estimate follows the workload: PROBE_EVERY steps after a change of mode, the
+gap doubling (up to MAX_PROBE_GAP) while the probes confirm the choice. Outputs do not depend on the choice
+(verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
-PROBE_EVERY = 16
+PROBE_EVERY, MAX_PROBE_GAP = 16, 256
 SMOOTHING = 0.2  # weight of the newest step in the moving averages
 
 
@@ -16,6 +17,9 @@ def bucket_of(batch_size: int) -> int:
 class Bucket:
     seconds_per_token: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     num_steps: int = 0
+    faster: bool | None = None  # the mode last found faster
+    probe_gap: int = PROBE_EVERY
+    next_probe: int = PROBE_EVERY
 
     def record(self, speculated: bool, seconds_per_token: float):
         old = self.seconds_per_token[speculated]
@@ -23,26 +27,35 @@ class Bucket:
             old + SMOOTHING * (seconds_per_token - old)
 
     def choice(self) -> bool:
-        """Measure both modes first, then the faster, with the slower probed every PROBE_EVERY steps."""
+        """Measure both modes first, then the faster, with the slower probed at growing gaps."""
         spec, plain = self.seconds_per_token[True], self.seconds_per_token[False]
         if spec is None or plain is None:
             return spec is None
         faster = spec < plain
-        return (not faster) if self.num_steps % PROBE_EVERY == PROBE_EVERY - 1 else faster
+        if faster != self.faster:
+            self.faster, self.probe_gap, self.next_probe = faster, PROBE_EVERY, self.num_steps + PROBE_EVERY
+        if self.num_steps < self.next_probe:
+            return faster
+        self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
+        self.next_probe = self.num_steps + self.probe_gap
+        return not faster
 
 
 class AdaptiveSwitch:
     def __init__(self):
         self.buckets: dict[int, Bucket] = {}
+        self.carried_s = 0.0  # the last step's drafting time, owed by the step that verifies the drafts
 
     def should_speculate(self, batch_size: int) -> bool:
         return self.buckets.setdefault(bucket_of(batch_size), Bucket()).choice()
 
-    def record(self, batch_size: int, speculated: bool, step_s: float, num_emitted: int):
-        """One decode step of batch_size sequences that emitted num_emitted tokens in step_s seconds."""
+    def record(self, batch_size: int, speculated: bool, step_s: float, num_emitted: int, proposal_s: float = 0.0):
+        """One decode step of batch_size sequences that emitted num_emitted tokens in step_s seconds, of
+        which proposal_s went to drafting for the next step: that time is charged to the next step."""
+        seconds, self.carried_s = step_s - proposal_s + self.carried_s, proposal_s
         if num_emitted > 0:
             bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
-            bucket.record(speculated, step_s / num_emitted)
+            bucket.record(speculated, seconds / num_emitted)
             bucket.num_steps += 1
 
 

@@ -1,8 +1,10 @@
 """The adaptive switch: per batch-size bucket, the faster of speculating and not, by measured seconds per
 emitted token, with the slower mode probed now and then; and through the engine, outputs unchanged."""
+import pytest
+
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.spec_decode.adaptive import PROBE_EVERY, AdaptiveSwitch, bucket_of
+from pagedmoe.spec_decode.adaptive import MAX_PROBE_GAP, PROBE_EVERY, AdaptiveSwitch, bucket_of
 
 
 def test_buckets_are_powers_of_two():
@@ -19,14 +21,19 @@ def run_steps(switch: AdaptiveSwitch, batch_size: int, seconds: dict[bool, float
     return chosen
 
 
-def test_measures_both_then_keeps_the_faster_and_probes_the_other():
-    switch, num_steps = AdaptiveSwitch(), 4 * PROBE_EVERY
-    probes = [i for i in range(2, num_steps) if i % PROBE_EVERY == PROBE_EVERY - 1]
-    chosen = run_steps(switch, 4, {True: 0.01, False: 0.02}, num_steps)
+def probe_steps(chosen: list[bool], mode: bool) -> list[int]:
+    return [i for i in range(2, len(chosen)) if chosen[i] == mode]
+
+
+def test_measures_both_then_keeps_the_faster_and_probes_the_other_ever_less():
+    switch = AdaptiveSwitch()
+    chosen = run_steps(switch, 4, {True: 0.01, False: 0.02}, 512)
     assert chosen[:2] == [True, False]
-    assert [i for i in range(2, num_steps) if not chosen[i]] == probes
-    slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, num_steps)  # drafts cost more than they give
-    assert [i for i in range(2, num_steps) if slow[i]] == probes
+    probes = probe_steps(chosen, False)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 2 + PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_GAP
+    slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, 512)  # at batch 64 drafts cost more than they give
+    assert len(probe_steps(slow, True)) == len(probes) < 512 // 50
     assert run_steps(switch, 5, {True: 0.01, False: 0.02}, 4)[-1]  # bucket 4-7 kept what it learned at 4
 
 
@@ -47,3 +54,13 @@ def test_the_engine_output_is_the_same_with_the_switch(dense_model):
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 24) for p in prompts]
     assert llm.engine.spec_switch is not None and llm.engine.spec_switch.buckets
     assert_all_blocks_free(llm.engine)
+
+
+def test_drafting_time_is_charged_to_the_step_that_verifies_the_drafts():
+    """A plain step that drafted for the next one keeps its own time; the next step pays for the drafts."""
+    switch = AdaptiveSwitch()
+    switch.record(4, False, 0.05, 4, proposal_s=0.03)
+    switch.record(4, True, 0.02, 8)
+    bucket = switch.buckets[bucket_of(4)]
+    assert bucket.seconds_per_token[False] == pytest.approx(0.02 / 4)
+    assert bucket.seconds_per_token[True] == pytest.approx(0.05 / 8)
