@@ -112,3 +112,20 @@ def test_moe_server_exports_expert_load_and_draws_the_heatmap(moe_server, browse
     path = tmp_path / "dashboard-moe.png"
     page.screenshot(path=str(path), full_page=True)
     print(f"\nMoE dashboard screenshot: {path}")
+
+
+def test_dashboard_shows_the_acceptance_length_with_speculation(text_model, browser):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    with serve(text_model[0], num_kv_blocks=256, speculative_config=spec) as running:
+        streams = BackgroundStreams(running.url, 4)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{running.url}/dashboard?api_key={API_KEY}")
+            page.wait_for_function("document.getElementById('spec').textContent !== '–'", timeout=20000)
+            assert 1.0 <= float(page.inner_text("#spec")) <= 4.0
+            assert re.fullmatch(r"\d+ of \d+ draft tokens accepted", page.inner_text("#spec-tokens"))
+            stats = httpx.get(f"{running.url}/dashboard/stats", headers=HEADERS).json()["spec_decode"]
+            assert stats["draft_tokens"] >= stats["accepted_tokens"] and stats["drafts"] > 0
+        finally:
+            streams.stop()
+        wait_all_blocks_free(running)

@@ -41,4 +41,12 @@ def dashboard_stats(ctx: ServingContext) -> dict:
             "prefix_cache": {"queries": getattr(s, "prefix_cache_queries", 0),
                              "hits": getattr(s, "prefix_cache_hits", 0)},
             "ttft": ctx.metrics.percentiles("ttft"), "itl": ctx.metrics.percentiles("itl"),
-            "expert_load": snap.expert_load}
+            "expert_load": snap.expert_load, "spec_decode": spec_decode_stats(s)}
+
+
+def spec_decode_stats(stats) -> dict | None:
+    spec = getattr(stats, "spec_decode", None)
+    if spec is None:
+        return None
+    return {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+            "accepted_tokens": spec.num_accepted_tokens}
