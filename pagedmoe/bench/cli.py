@@ -38,6 +38,8 @@ def _throughput(args):
         pagedmoe_throughput(llm, workload[:4])  # warm-up, so that the quiet run is not the colder one
     ours = best_of_repeats(lambda: pagedmoe_throughput(llm, workload, counts), args.repeats)
     results = _header("throughput", args, workload, counts) | {"pagedmoe": ours}
+    if config.speculative_config is not None:
+        results |= _throughput_without_speculation(args, llm, workload, counts, ours["output_tok_s"])
     if args.background_load:
         results |= _loaded_run(llm, workload, counts, args.background_load, results["pagedmoe"])
     if "vllm" in args.baseline:
@@ -59,6 +61,19 @@ def _throughput(args):
         print(vllm_lines(results))
     write_json(results, args.output_json)
     return results
+
+
+def _throughput_without_speculation(args, llm, workload, counts, spec_tok_s: float) -> dict:
+    """The workload again on the engine without speculation (best of the same repeats)."""
+    from pagedmoe.bench.latency import spec_summary
+    from pagedmoe.bench.report import spec_line
+    from pagedmoe.bench.throughput import best_of_repeats, pagedmoe_throughput
+    stats = llm.engine.get_stats().spec_decode
+    plain = _load_llm(argparse.Namespace(**vars(args) | {"speculative_config": None}), bool(args.dataset))[0]
+    result = {"pagedmoe-no-spec": best_of_repeats(lambda: pagedmoe_throughput(plain, workload, counts), args.repeats)}
+    result["spec_decode"] = spec_summary(stats, spec_tok_s, result["pagedmoe-no-spec"]["output_tok_s"])
+    print(spec_line(result["spec_decode"]))
+    return result
 
 
 def _check_repeats(args):
@@ -129,8 +144,8 @@ def _without_speculation(args, llm, batches, counts, spec_latency_ms: float) -> 
     result = {"pagedmoe-no-spec": bench_latency(plain, batches, args.num_iters_warmup, counts)}
     print("without speculation:\n" + latency_lines(result["pagedmoe-no-spec"]))
     num_tokens = sum(r.output_len for r in batches[-1])
-    result["spec_decode"] = spec_summary(stats, num_tokens, spec_latency_ms,
-                                         result["pagedmoe-no-spec"]["latency_mean_ms"])
+    result["spec_decode"] = spec_summary(stats, num_tokens / (spec_latency_ms / 1e3),
+                                         num_tokens / (result["pagedmoe-no-spec"]["latency_mean_ms"] / 1e3))
     print(spec_line(result["spec_decode"]))
     return result
 

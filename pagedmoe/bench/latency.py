@@ -66,13 +66,12 @@ def summarize(iterations: list[dict], records: list[list[StepRecord]]) -> dict:
             "steps": [records_json(steps) for steps in records]}
 
 
-def spec_summary(stats, num_tokens: int, spec_latency_ms: float, plain_latency_ms: float) -> dict:
-    """vLLM's mean acceptance length (1 + accepted drafts per drafting step) and the batch's output tok/s
-    with and without speculation (every batch produces num_tokens)."""
+def spec_summary(stats, spec_tok_s: float, no_spec_tok_s: float) -> dict:
+    """vLLM's mean acceptance length (1 + accepted drafts per drafting step), the draft counts, and output
+    tok/s with and without speculation."""
     return {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens,
             "num_accepted_tokens_per_pos": stats.num_accepted_tokens_per_pos,
             "mean_acceptance_length": 1 + stats.num_accepted_tokens / max(stats.num_drafts, 1),
             "draft_acceptance_rate": stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
-            "spec_tok_s": num_tokens / (spec_latency_ms / 1e3), "no_spec_tok_s": num_tokens / (plain_latency_ms / 1e3),
-            "speedup": plain_latency_ms / spec_latency_ms}
+            "spec_tok_s": spec_tok_s, "no_spec_tok_s": no_spec_tok_s, "speedup": spec_tok_s / no_spec_tok_s}

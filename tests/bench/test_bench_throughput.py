@@ -149,3 +149,15 @@ def test_background_processes_run_until_stopped_and_end_by_themselves():
     assert all(p.returncode is not None for p in procs)
     with background_load(1, max_seconds=0.2) as procs:
         assert procs[0].wait(20) == 0  # its own deadline ends it
+
+
+def test_bench_throughput_with_speculation_runs_the_workload_without_it(dense_model, tmp_path):
+    out = tmp_path / "spec.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    cli_main(throughput_args(dense_model[0], out, "--prompt-repeats", "3", "--speculative-config", spec))
+    results = json.loads(out.read_text())
+    summary = results["spec_decode"]
+    assert results["pagedmoe-no-spec"]["output_tokens"] == results["pagedmoe"]["output_tokens"]
+    assert summary["no_spec_tok_s"] == results["pagedmoe-no-spec"]["output_tok_s"]
+    assert summary["speedup"] == results["pagedmoe"]["output_tok_s"] / summary["no_spec_tok_s"]
+    assert summary["num_draft_tokens"] > 0
