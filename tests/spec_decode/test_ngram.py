@@ -22,3 +22,23 @@ def test_no_match_no_drafts():
 
 def test_drafts_stop_at_the_end_of_the_context():
     assert propose_ngram([5, 6, 5], 1, 1, 4) == [6, 5]
+
+
+def reference_ngram(token_ids, min_n, max_n, k):
+    """The definition, directly: for n from the longest, the first earlier window equal to the suffix."""
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
+        suffix = token_ids[-n:]
+        for start in range(len(token_ids) - n):
+            if token_ids[start:start + n] == suffix:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def test_matches_the_definition_on_random_contexts():
+    import random
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice((2, 3, 6))) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n, k = min_n + rng.randrange(0, 4), rng.randrange(0, 6)
+        assert propose_ngram(tokens, min_n, max_n, k) == (reference_ngram(tokens, min_n, max_n, k) if k else [])
