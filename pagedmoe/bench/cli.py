@@ -63,13 +63,18 @@ def _throughput(args):
     return results
 
 
+def _plain_llm(args):
+    """The engine the arguments describe, without speculative decoding."""
+    return _load_llm(argparse.Namespace(**vars(args) | {"speculative_config": None}), bool(args.dataset))[0]
+
+
 def _throughput_without_speculation(args, llm, workload, counts, spec_tok_s: float) -> dict:
     """The workload again on the engine without speculation (best of the same repeats)."""
     from pagedmoe.bench.latency import spec_summary
     from pagedmoe.bench.report import spec_line
     from pagedmoe.bench.throughput import best_of_repeats, pagedmoe_throughput
     stats = llm.engine.get_stats().spec_decode
-    plain = _load_llm(argparse.Namespace(**vars(args) | {"speculative_config": None}), bool(args.dataset))[0]
+    plain = _plain_llm(args)
     result = {"pagedmoe-no-spec": best_of_repeats(lambda: pagedmoe_throughput(plain, workload, counts), args.repeats)}
     result["spec_decode"] = spec_summary(stats, spec_tok_s, result["pagedmoe-no-spec"]["output_tok_s"])
     print(spec_line(result["spec_decode"]))
@@ -140,7 +145,7 @@ def _without_speculation(args, llm, batches, counts, spec_latency_ms: float) -> 
     from pagedmoe.bench.latency import bench_latency, spec_summary
     from pagedmoe.bench.report import latency_lines, spec_line
     stats = llm.engine.get_stats().spec_decode
-    plain = _load_llm(argparse.Namespace(**vars(args) | {"speculative_config": None}), bool(args.dataset))[0]
+    plain = _plain_llm(args)
     result = {"pagedmoe-no-spec": bench_latency(plain, batches, args.num_iters_warmup, counts)}
     print("without speculation:\n" + latency_lines(result["pagedmoe-no-spec"]))
     num_tokens = sum(r.output_len for r in batches[-1])

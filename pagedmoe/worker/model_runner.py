@@ -187,8 +187,9 @@ class ModelRunner:
 
 
 def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
-    """Positions [start, end) of the sequence followed by its draft tokens."""
-    return (seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids)[start:end]
+    """Positions [start, end) of the sequence followed by its draft tokens (which sit past its tokens)."""
+    tokens = seq.token_ids[start:end]
+    return tokens + seq.spec_token_ids[:end - len(seq)] if end > len(seq) else tokens
 
 
 def _num_samples(seq: Sequence) -> int:

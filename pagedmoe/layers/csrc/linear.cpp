@@ -63,10 +63,7 @@ void linear(const T *x, const T *w, const T *bias, T *out, const Shape &s, int n
 template <bool AMX, typename T>
 void gated_linear(const T *x, const T *w, T *out, const Shape &s, int num_threads) {
     for_each_tile<AMX>(x, w, s.out_features / HALF, s, num_threads, [&](int64_t j, int64_t r, int n, const float *acc) {
-        for (int m = 0; m < n; m++)
-            for (int c = 0; c < HALF; c++)
-                store(out[(r + m) * s.out_features + j * HALF + c],
-                      silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
+        for (int m = 0; m < n; m++) store_gated(out + (r + m) * s.out_features + j * HALF, acc + m * PANEL);
     });
 }
 

@@ -76,6 +76,12 @@ inline void store(BF16 &dst, float x) {  // round to nearest even, as torch does
 // acc[M][PANEL] = rows a[0..M) (K values each) times one packed panel b ([K][PANEL]).
 inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// out[0..HALF) = silu(gate) * up for one row of a gate-up tile (its first HALF columns gate, the rest up).
+template <typename T>
+inline void store_gated(T *out, const float *acc_row) {
+    for (int c = 0; c < HALF; c++) store(out[c], silu(acc_row[c]) * acc_row[HALF + c]);
+}
+
 template <int M, typename A, typename W>
 void panel_tile(const A *const *a, const W *b, int64_t K, float *acc) {
     fvec c[M][NV] = {};

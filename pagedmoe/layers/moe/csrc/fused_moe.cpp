@@ -9,8 +9,8 @@
 // weights are one contiguous stream. Plain C++ with GCC vector types: the compiler emits AVX-512 or AVX2
 // (or SSE) for the target it is built for; bf16 uses avx512_bf16's dot products where the target has them
 // and is widened with integer shifts where it does not.
-// fused_moe_amx_bf16 runs the same steps on AMX tiles for batches of any size (more than a dozen rows per
-// expert): the pairs' rows are first gathered in expert order, so each expert's rows are contiguous A tiles.
+// fused_moe_amx_bf16 runs the same steps on AMX tiles, for batches of any size: the pairs' rows are first
+// gathered in expert order, so each expert's rows are contiguous A tiles.
 #include <vector>
 
 #include "../../csrc/amx_tile.h"
@@ -99,19 +99,22 @@ template <typename A, typename W>
 void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, A *inter, int num_threads) {
     for_each_expert_tile(b, s.inter / HALF, x, s.top_k, s.hidden, w13, num_threads,
                          [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++) {
-            A *out = inter + b.pairs[r + m] * s.inter + j * HALF;
-            for (int c = 0; c < HALF; c++) store(out[c], silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
-        }
+        for (int m = 0; m < n; m++) store_gated(inter + b.pairs[r + m] * s.inter + j * HALF, acc + m * PANEL);
     });
+}
+
+// rows[pair] (float32, hidden wide) = the down tile's rows, for the pairs[r:r + n] of a block
+inline void scatter_rows(const Buckets &b, const Shape &s, int64_t j, int n, int64_t r, const float *acc,
+                         float *rows) {
+    for (int m = 0; m < n; m++)
+        std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
 }
 
 template <typename A, typename W>
 void down(const A *inter, const W *w2, const Buckets &b, const Shape &s, float *rows, int num_threads) {
     for_each_expert_tile(b, s.hidden / PANEL, inter, 1, s.inter, w2, num_threads,
                          [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++)
-            std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
+        scatter_rows(b, s, j, n, r, acc, rows);
     });
 }
 
@@ -133,27 +136,23 @@ void combine(const float *rows, const int64_t *topk_ids, const float *topk_weigh
 // inter_sorted[i] = silu(xs[i] G^T) * (xs[i] U^T), then rows[pair] = inter_sorted[i] W2^T, on AMX tiles
 void amx_experts(const BF16 *xs, const BF16 *w13, const BF16 *w2, const Buckets &b, const Shape &s, float *rows,
                  int num_threads) {
-    std::vector<BF16> inter(b.pairs.size() * s.inter);  // rounded to bf16, as in HF
+    std::vector<BF16> inter(b.start.back() * s.inter);  // rounded to bf16, as in HF
     for_each_expert_amx_tile(b, s.inter / HALF, xs, s.hidden, w13, num_threads,
                              [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++) {
-            BF16 *out = inter.data() + (r + m) * s.inter + j * HALF;
-            for (int c = 0; c < HALF; c++) store(out[c], silu(acc[m * PANEL + c]) * acc[m * PANEL + HALF + c]);
-        }
+        for (int m = 0; m < n; m++) store_gated(inter.data() + (r + m) * s.inter + j * HALF, acc + m * PANEL);
     });
     for_each_expert_amx_tile(b, s.hidden / PANEL, inter.data(), s.inter, w2, num_threads,
                              [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++)
-            std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
+        scatter_rows(b, s, j, n, r, acc, rows);
     });
 }
 
 void fused_moe_amx(const BF16 *x, const int64_t *topk_ids, const float *topk_weights, const BF16 *w13,
                    const BF16 *w2, float *out, const Shape &s, int num_threads) {
     const Buckets b = bucket(topk_ids, s);
-    std::vector<BF16> xs(b.pairs.size() * s.hidden);
+    std::vector<BF16> xs(b.start.back() * s.hidden);  // the pairs of known experts; the others contribute nothing
 #pragma omp parallel for num_threads(num_threads)
-    for (size_t i = 0; i < b.pairs.size(); i++)  // pairs of an unknown expert stay at the end, unused
+    for (int64_t i = 0; i < b.start.back(); i++)
         std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(BF16) * s.hidden);
     std::vector<float> rows(s.num_tokens * s.top_k * s.hidden);
     amx_experts(xs.data(), w13, w2, b, s, rows.data(), num_threads);
