@@ -35,8 +35,9 @@ class KVCacheManager:
     evicted cached blocks go to disk; a later prefix hit loads them back)."""
 
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True,
-                 offload: bool = False, num_disk_blocks: int = 0, static_reserve=None):
+                 offload: bool = False, num_disk_blocks: int = 0, static_reserve=None, num_lookahead_tokens: int = 0):
         self.block_size, self.enable_caching, self.offload = block_size, enable_caching, offload
+        self.num_lookahead_tokens = num_lookahead_tokens  # slots past a step's tokens a draft model writes into
         self.static_reserve = static_reserve  # seq -> tokens to reserve at admission (static allocation mode)
         self.pool = BlockPool(num_blocks, on_evict=self._offload if offload else None)
         self.host_pool = BlockPool(num_host_blocks, on_evict=self._spill if num_disk_blocks else None)
@@ -84,8 +85,16 @@ class KVCacheManager:
         return transfers
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        num_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        num_total = -(-self._num_slots(seq, num_new_tokens) // self.block_size)
         return max(num_total - len(seq.block_table), 0) + int(self._needs_copy_on_write(seq))
+
+    def _num_slots(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The step's tokens, plus the lookahead slots a draft model writes, up to the sequence's last token."""
+        num_slots = seq.num_computed_tokens + num_new_tokens
+        if self.num_lookahead_tokens:
+            last = seq.num_prompt_tokens + seq.params.max_tokens
+            num_slots = max(num_slots, min(num_slots + self.num_lookahead_tokens, last))
+        return num_slots
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = ()) -> bool:
         if hits and not self._take_cached(seq, num_new_tokens, hits):
@@ -206,7 +215,7 @@ class KVCacheManager:
         seq.block_table, seq.num_cached_blocks = [], 0
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
-        num_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        num_total = -(-self._num_slots(seq, num_new_tokens) // self.block_size)
         return max(num_total, len(seq.host_block_table)) <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence):

@@ -19,7 +19,7 @@ from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
 from pagedmoe.spec_decode.adaptive import decode_step_kind, make_switch
-from pagedmoe.spec_decode.proposer import SpecDecodeStats, make_proposer
+from pagedmoe.spec_decode.proposer import SpecDecodeStats, can_speculate, make_proposer, max_draft_tokens
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 PromptType = str | list[int] | dict
@@ -61,9 +61,11 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config)
         static = self._static_reserve if config.kv_allocation == "static" else None
+        spec = config.speculative_config
+        lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
                                  config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks,
-                                 static)
+                                 static, lookahead)
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -71,7 +73,7 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         shape = self.runner.expert_load_shape
         self.expert_load = torch.zeros(shape, dtype=torch.long) if shape else None
-        self.proposer = make_proposer(config.speculative_config, config.max_model_len)
+        self.proposer = make_proposer(spec, self.runner.drafter)
         self.spec_switch = make_switch(config.speculative_config)
         self._proposal_s = 0.0  # time the last step spent drafting
         self.spec_decode_stats = SpecDecodeStats()
@@ -254,9 +256,21 @@ class LLMEngine:
             return
         if self.spec_switch is not None and not self.spec_switch.should_speculate(batch_size):
             return
-        for seq in (s for request in requests for s in request.seqs):
-            if seq.status == SequenceStatus.RUNNING and len(seq) == seq.num_computed_tokens + 1:
-                seq.spec_token_ids = self.proposer.propose(seq)
+        seqs = [s for request in requests for s in request.seqs if self._can_draft(s)]
+        ks = [max_draft_tokens(s, self.config.speculative_config.num_speculative_tokens, self.config.max_model_len)
+              for s in seqs]
+        seqs, ks = [s for s, k in zip(seqs, ks) if k], [k for k in ks if k]
+        for seq, (token_ids, probs) in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+            seq.spec_token_ids, seq.spec_draft_probs = token_ids, probs
+
+    def _can_draft(self, seq: Sequence) -> bool:
+        """A running sequence whose next step is a decode; with a draft model, not while its last block is
+        shared (a fork's first step: the draft would write its own token into its siblings' block)."""
+        if seq.status != SequenceStatus.RUNNING or len(seq) != seq.num_computed_tokens + 1 or not can_speculate(seq):
+            return False
+        if not self.config.speculative_config.uses_draft_kv:
+            return True
+        return not self.kv.pool.is_shared(seq.block_table[(len(seq) - 1) // self.config.block_size])
 
     def _append_prompt_logprobs(self, sched: SchedulerOutput, out: ModelRunnerOutput):
         for seq in sched.seqs:
@@ -300,9 +314,10 @@ class LLMEngine:
     def _append_verified(self, seq: Sequence, sampled, token_ids: list[int], row: int):
         """A speculating sequence's rows: the accepted drafts and the draw after them, one token at a time
         through the stop checks; the rejected drafts' positions are rolled back (their KV is overwritten)."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        drafts, seq.spec_token_ids, seq.spec_draft_probs = seq.spec_token_ids, [], None
         accepted = num_accepted(drafts, token_ids[row:row + len(drafts) + 1])
         seq.num_computed_tokens -= len(drafts) - accepted
+        seq.num_drafter_tokens = min(seq.num_drafter_tokens, len(seq) + accepted)  # the draft KV still right
         self.spec_decode_stats.record(len(drafts), accepted)
         for offset in range(accepted + 1):
             self._append_token(seq, token_ids[row + offset], sampled, row + offset)

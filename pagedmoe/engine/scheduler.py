@@ -77,7 +77,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence):
-        seq.spec_token_ids = []
+        seq.drop_drafts()
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
@@ -85,7 +85,7 @@ class Scheduler:
             self.num_preemptions["swap"] += 1
             return
         self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_drafter_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions["recompute"] += 1

@@ -67,6 +67,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.beam_candidates = None  # list[BeamCandidate] sampled but not yet selected
         self.spec_token_ids: list[int] = []  # draft tokens for the next step: not committed, never hashed
+        self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
+        self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -92,10 +94,16 @@ class Sequence:
         gens = self.request.generators
         return gens[self.sample_index] if gens else None
 
+    def drop_drafts(self):
+        """The pending drafts are dropped (preemption): the draft model's KV past the last token is stale."""
+        self.spec_token_ids, self.spec_draft_probs = [], None
+        self.num_drafter_tokens = min(self.num_drafter_tokens, len(self))
+
     def fork(self, seq_id: int, sample_index: int) -> "Sequence":
         child = Sequence(seq_id, self.request, list(self.token_ids), sample_index)
         child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
         child.block_hashes, child.num_cached_blocks = list(self.block_hashes), self.num_cached_blocks
+        child.num_drafter_tokens = self.num_drafter_tokens
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child

@@ -20,6 +20,8 @@ class SamplingBatch:
     banned: torch.Tensor | None  # [R, V] tokens masked out (stop tokens before min_tokens)
     generators: list[torch.Generator | None]
     max_num_logprobs: int  # -1: no logprobs needed
+    draft_token_ids: torch.Tensor | None = None  # [R] a draft sampled from a distribution q to verify, or -1
+    draft_probs: torch.Tensor | None = None  # [R, V] that q (rows with a draft only)
 
     @property
     def all_greedy(self) -> bool:
@@ -56,8 +58,29 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        probs = filter_top_k_top_p_min_p(logits / temperature[:, None], batch).softmax(dim=-1)
-        return (probs / exponential_noise(probs, batch.generators, self.generator)).argmax(dim=-1)
+        probs = filter_top_k_top_p_min_p(logits / temperature[:, None], batch.top_k, batch.top_p,
+                                         batch.min_p).softmax(dim=-1)
+        noise = exponential_noise(probs, batch.generators, self.generator)
+        token_ids = (probs / noise).argmax(dim=-1)
+        if batch.draft_probs is not None:
+            token_ids = self._reject(probs, noise, token_ids, batch)
+        return token_ids
+
+    def _reject(self, probs, noise, token_ids, batch: SamplingBatch) -> torch.Tensor:
+        """Rows verifying a draft d ~ q (Leviathan et al. 2023): d is kept with probability min(1, p(d) / q(d)),
+        else the row draws from norm(max(0, p - q)). P(x) = min(p, q)(x) + max(0, p - q)(x) = p(x): the
+        row's token is distributed as the target's. A rejection never draws d (its residual is 0)."""
+        rows = (batch.draft_token_ids >= 0).nonzero().squeeze(1)
+        drafts, p, q = batch.draft_token_ids[rows], probs[rows], batch.draft_probs[rows].float()
+        p_draft, q_draft = p.gather(1, drafts[:, None])[:, 0], q.gather(1, drafts[:, None])[:, 0]
+        uniform = uniform_noise(rows.tolist(), batch.generators, self.generator).to(p.device)
+        accept = uniform * q_draft <= p_draft
+        residual = (p - q).clamp_(min=0)
+        recovered = (residual / noise[rows]).argmax(dim=-1)
+        recovered = torch.where(residual.sum(dim=-1) > 0, recovered, token_ids[rows])
+        token_ids = token_ids.clone()
+        token_ids[rows] = torch.where(accept, drafts, recovered)
+        return token_ids
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -77,14 +100,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty[:, None] * (batch.output_counts > 0)
 
 
-def filter_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                             min_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    top_k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[-1])
+    top_k = torch.where(top_k > 0, top_k, logits.shape[-1])
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p[:, None]
-    drop |= sorted_probs < batch.min_p[:, None] * sorted_probs[:, :1]
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False
     return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
@@ -95,6 +119,16 @@ def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | No
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row] = torch.empty(probs.shape[-1]).exponential_(generator=generator).to(probs.device)
+    return noise
+
+
+def uniform_noise(rows: list[int], generators: list[torch.Generator | None],
+                  default: torch.Generator) -> torch.Tensor:
+    """U[0, 1) per row, float64 (float32 draws exact zeros too often), seeded rows from their generator."""
+    noise = torch.empty(len(rows), dtype=torch.float64, device=default.device).uniform_(generator=default)
+    for index, row in enumerate(rows):
+        if generators[row] is not None:
+            noise[index] = torch.empty(1, dtype=torch.float64).uniform_(generator=generators[row]).item()
     return noise
 
 

@@ -1,16 +1,21 @@
 import json
+import os
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "draft_model")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 @dataclass
 class SpeculativeConfig:
     """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..,
-    "prompt_lookup_max": .., "disable_by_batch_size": ..}."""
+    "prompt_lookup_max": .., "disable_by_batch_size": ..}, or {"method": "draft_model", "model": DIR,
+    "draft_sample_method": "greedy" | "probabilistic"}."""
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # the draft model's directory (draft_model)
+    draft_sample_method: str = "greedy"  # draft tokens by argmax, or sampled from the draft's distribution
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None  # no new drafts while more sequences than this are running
@@ -20,7 +25,9 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}")
         if self.method not in IMPLEMENTED:
-            raise ValueError(f"speculative_config.method {self.method!r} is not implemented yet; use 'ngram'")
+            raise ValueError(f"speculative_config.method {self.method!r} is not implemented yet; "
+                             f"use one of {list(IMPLEMENTED)}")
+        self._check_model()
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, "
                              f"got {self.num_speculative_tokens!r}")
@@ -29,6 +36,19 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be >= 1")
+
+    def _check_model(self):
+        if self.method == "draft_model" and not (isinstance(self.model, str) and os.path.isdir(self.model)):
+            raise ValueError(f"speculative_config.model: method 'draft_model' needs the draft model's directory, "
+                             f"got {self.model!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"speculative_config.draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)}, "
+                             f"got {self.draft_sample_method!r}")
+
+    @property
+    def uses_draft_kv(self) -> bool:
+        """Whether the proposer keeps KV of its own in the target's blocks (it writes past the step's tokens)."""
+        return self.method != "ngram"
 
     def _default_lookup(self):
         """As vLLM: both unset -> 5; one set -> the other takes its value."""

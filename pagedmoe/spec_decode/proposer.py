@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 
 from pagedmoe.spec_decode.config import SpeculativeConfig
+from pagedmoe.spec_decode.draft_model import DraftModelProposer
 from pagedmoe.spec_decode.ngram import propose_ngram
 
 
@@ -42,15 +43,24 @@ def max_draft_tokens(seq, k: int, max_model_len: int) -> int:
 
 
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        self.config, self.max_model_len = config, max_model_len
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
 
-    def propose(self, seq) -> list[int]:
-        k = max_draft_tokens(seq, self.config.num_speculative_tokens, self.max_model_len)
-        if k == 0 or not can_speculate(seq):
-            return []
-        return propose_ngram(seq.token_ids, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+    def propose(self, seqs: list, ks: list[int]) -> list[tuple[list[int], None]]:
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        return [(propose_ngram(seq.token_ids, low, high, k), None) for seq, k in zip(seqs, ks)]
 
 
-def make_proposer(config: SpeculativeConfig | None, max_model_len: int) -> NgramProposer | None:
-    return None if config is None else NgramProposer(config, max_model_len)
+def make_drafter(config):
+    """The draft model the worker runs and keeps KV for (method "draft_model"), else None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return DraftModelProposer(config, spec)
+
+
+def make_proposer(config: SpeculativeConfig | None, drafter=None):
+    """What drafts: prompt lookup, or the worker's draft model."""
+    if config is None:
+        return None
+    return NgramProposer(config) if config.method == "ngram" else drafter

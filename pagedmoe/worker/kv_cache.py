@@ -29,15 +29,20 @@ class KVCacheStorage:
         device, host = self.device_cache, self.host_cache
         for host_id, block_hash in transfers.spill:
             save_file({"kv": host[:, :, host_id].contiguous()}, self._path(block_hash))
+        self.apply_copies(transfers)
+        for block_hash, block_id in transfers.load_disk:
+            device[:, :, block_id] = load_file(self._path(block_hash))["kv"].to(device.device)
+        for block_hash in transfers.delete:
+            os.remove(self._path(block_hash))
+
+    def apply_copies(self, transfers: BlockTransfers):
+        """The copies between device and host blocks, in BlockTransfers' order."""
+        device, host = self.device_cache, self.host_cache
         _copy_blocks(device, host, transfers.offload)
         _copy_blocks(device, host, transfers.swap_out)
         _copy_blocks(host, device, transfers.swap_in)
         _copy_blocks(device, device, transfers.copy)
         _copy_blocks(host, device, transfers.load_host)
-        for block_hash, block_id in transfers.load_disk:
-            device[:, :, block_id] = load_file(self._path(block_hash))["kv"].to(device.device)
-        for block_hash in transfers.delete:
-            os.remove(self._path(block_hash))
 
     def _path(self, block_hash: bytes) -> str:
         return os.path.join(self.disk_dir, block_hash.hex() + ".safetensors")

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 from glob import glob
 
@@ -6,7 +7,10 @@ import torch
 from safetensors import safe_open
 
 from pagedmoe.config import EngineConfig
+from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -19,6 +23,20 @@ def weight_files(model_dir: str) -> list[str]:
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (pickled checkpoints are never loaded)")
     return files
+
+
+def prepare_model(config: EngineConfig) -> torch.nn.Module:
+    """The model loaded, its weights pre-packed and its CPU kernels attached, as the config asks."""
+    model = load_model(config)
+    if config.prepack_weights:
+        pack_weights(model)
+    if torch.device(config.device).type == "cpu":
+        kinds = {kind for kind, on in (("linear", config.cpu_linear_kernel), ("moe", config.cpu_moe_kernel)) if on}
+        try:
+            attach_cpu_kernels(model, kinds)
+        except RuntimeError as error:
+            logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
+    return model
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:

@@ -8,13 +8,14 @@ from pagedmoe.config import EngineConfig
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
-from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
-from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
+from pagedmoe.layers.attention.metadata import Workspace
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
+from pagedmoe.spec_decode.proposer import make_drafter
 from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
+from pagedmoe.worker.inputs import prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
-from pagedmoe.worker.model_loader import load_model
+from pagedmoe.worker.model_loader import prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,8 @@ class ModelRunner:
         self.threads = None
         if self.device.type == "cpu":
             self.threads = ThreadGovernor(config.num_threads or default_num_threads(), config.adaptive_threads)
-        self.model = load_model(config)
-        if config.prepack_weights:
-            pack_weights(self.model)
-        if self.device.type == "cpu":
-            self._attach_cpu_kernels()
+        self.model = prepare_model(config)
+        self.drafter = make_drafter(config)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
@@ -53,17 +51,11 @@ class ModelRunner:
                                        config.torch_dtype, self.device, disk_dir)
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, self.num_host_blocks, self.decode_kernel)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
-
-    def _attach_cpu_kernels(self):
-        kinds = {kind for kind, on in (("linear", self.config.cpu_linear_kernel),
-                                       ("moe", self.config.cpu_moe_kernel)) if on}
-        try:
-            attach_cpu_kernels(self.model, kinds)
-        except RuntimeError as error:
-            logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
         if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
@@ -78,8 +70,10 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
-                           self.config.block_size, self.config.torch_dtype)
+        """Bytes of one block: the target's KV, and the draft model's in the same block."""
+        target = block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+                             self.config.block_size, self.config.torch_dtype)
+        return target + (self.drafter.block_bytes if self.drafter is not None else 0)
 
     def _num_blocks(self) -> tuple[int, int]:
         cfg = self.config
@@ -96,6 +90,8 @@ class ModelRunner:
     def apply_transfers(self, sched: SchedulerOutput):
         """The step's block copies (swap, offload, copy-on-write, prefix loads), once, before its forward."""
         self.kv_cache.apply(sched.transfers)
+        if self.drafter is not None:
+            self.drafter.apply(sched.transfers)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -127,17 +123,11 @@ class ModelRunner:
     def _prepare_inputs(self, sched: SchedulerOutput):
         starts = [seq.num_computed_tokens for seq in sched.seqs]
         ends = [start + n for start, n in zip(starts, sched.num_new_tokens)]
-        input_ids = [t for seq, start, end in zip(sched.seqs, starts, ends) for t in _tokens(seq, start, end)]
-        query_lens = torch.tensor(sched.num_new_tokens, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(sched.seqs)), query_lens)
-        query_start = torch.cumsum(query_lens, 0) - query_lens
-        positions = torch.arange(len(input_ids)) - (query_start - torch.tensor(starts))[seq_index]
-        block_tables = _pad_block_tables([seq.block_table for seq in sched.seqs])
-        bs = self.config.block_size
-        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        meta = build_attention_metadata(query_lens, torch.tensor(ends), block_tables, slot_mapping,
-                                        self.kv_cache.device_cache, bs, self.workspace, self.decode_kernel)
-        return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta, ends)
+        token_lists = [_tokens(seq, start, end) for seq, start, end in zip(sched.seqs, starts, ends)]
+        input_ids, positions, meta = prepare_inputs(token_lists, starts, [seq.block_table for seq in sched.seqs],
+                                                    self.config.block_size, self.kv_cache.device_cache,
+                                                    self.workspace, self.decode_kernel)
+        return input_ids, positions, meta, ends
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:
         rows = _sampling_rows(seqs, num_samples)
@@ -150,7 +140,20 @@ class ModelRunner:
             as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
             as_tensor([p.repetition_penalty for p in params]), as_tensor([p.presence_penalty for p in params]),
             as_tensor([p.frequency_penalty for p in params]), counts, prompt_mask, self._banned(rows),
-            generators, max((_num_logprobs(p) for p in params), default=-1))
+            generators, max((_num_logprobs(p) for p in params), default=-1), *self._draft_rows(seqs, num_samples))
+
+    def _draft_rows(self, seqs: list[Sequence], num_samples: list[int]):
+        """Draft ids and distributions for the rows of sequences whose drafts were sampled (not argmax)."""
+        if not any(seq.spec_draft_probs is not None and seq.spec_token_ids for seq in seqs):
+            return None, None
+        ids, probs, vocab = [], [], self.config.hf_config.vocab_size
+        for seq, n in zip(seqs, num_samples):
+            num_drafts = len(seq.spec_token_ids)
+            has_probs = seq.spec_draft_probs is not None and num_drafts
+            ids += (seq.spec_token_ids if has_probs else [-1] * num_drafts) + [-1] * n
+            rows = seq.spec_draft_probs[:num_drafts] if has_probs else torch.zeros(num_drafts, vocab)
+            probs += [rows.to(self.device), torch.zeros(n, vocab, device=self.device)]
+        return torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(probs)
 
     def _penalty_inputs(self, rows):
         if not any(_has_penalty(seq.params) for seq, _ in rows):
@@ -217,8 +220,3 @@ def _sampling_rows(seqs: list[Sequence], num_samples: list[int]) -> list[tuple[S
 
 def _has_penalty(params) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-
-
-def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)

@@ -90,6 +90,10 @@ def _batch(rows, **kw):
     return SamplingBatch(**{**base, **kw})
 
 
+def _filter(logits, batch):
+    return filter_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
+
+
 def test_penalties_and_filters_hand_computed():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
     counts = torch.tensor([[2.0, 0.0, 1.0, 0.0]])
@@ -99,7 +103,7 @@ def test_penalties_and_filters_hand_computed():
     out = apply_penalties(logits, batch)
     assert torch.allclose(out, torch.tensor([[2.0 / 2 - 0.5 - 0.5, 0.5, -2.0 - 0.25 - 0.5, 0.5]]))
     probs_logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = lambda **kw: torch.isfinite(filter_top_k_top_p_min_p(probs_logits, _batch(1, **kw)))[0].tolist()
+    kept = lambda **kw: torch.isfinite(_filter(probs_logits, _batch(1, **kw)))[0].tolist()
     assert kept(top_k=torch.tensor([2])) == [True, True, False, False]
     assert kept(top_p=torch.tensor([0.7])) == [True, True, False, False]
     assert kept(top_p=torch.tensor([0.1])) == [True, False, False, False]

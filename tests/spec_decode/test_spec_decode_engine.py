@@ -1,7 +1,10 @@
-"""n-gram speculative decoding through the whole engine, float32: greedy tokens identical to HF's greedy
-(the output without speculation) under chunked prefill, forced preemption (both modes), prefix-cache hits,
-n > 1, stop tokens, max_tokens inside an accepted run and logprobs; every test with drafts actually
-accepted, and the pool entirely free afterwards."""
+"""Speculative decoding through the whole engine, float32, with each proposer (n-gram prompt lookup, a draft
+model with argmax drafts, a draft model with sampled drafts): greedy tokens identical to HF's greedy (the
+output without speculation) under chunked prefill, forced preemption (both modes), prefix-cache hits, n > 1,
+stop tokens, max_tokens inside an accepted run and logprobs; every test with drafts actually accepted, and
+the pool entirely free afterwards."""
+import copy
+
 import pytest
 import torch
 import transformers
@@ -9,9 +12,37 @@ import transformers
 from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model
 from pagedmoe import LLM, SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-        "adaptive": False}  # every step that can speculate does (test_adaptive.py covers the switch)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}  # every step that can speculate does (test_adaptive.py covers the switch)
 NUM_NEW = 32
+
+
+def save_noisy_copy(model, path, noise: float = 0.01, num_layers: int | None = None, seed: int = 0) -> str:
+    """A draft model: the target's weights (its first num_layers layers) plus Gaussian noise, which
+    agrees with the target on some tokens and not on others."""
+    config = copy.deepcopy(model.config)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:num_layers]
+    draft = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    draft.load_state_dict(model.state_dict(), strict=False)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * noise) if param.dim() > 1 else None
+    draft.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "draft_sampled"])
+def spec(request, dense_model, tmp_path_factory) -> dict:
+    if request.param == "ngram":
+        return NGRAM
+    draft = save_noisy_copy(dense_model[1], tmp_path_factory.mktemp("draft"))
+    method = "probabilistic" if request.param == "draft_sampled" else "greedy"
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False,
+            "draft_sample_method": method}
 
 
 def copy_prompts(num: int, seed: int) -> list[list[int]]:
@@ -26,8 +57,8 @@ def reference(dense_model):
     return path, prompts, [hf_greedy(model, p, NUM_NEW) for p in prompts]
 
 
-def spec_llm(path: str, **engine_args) -> LLM:
-    return LLM(path, dtype="float32", skip_tokenizer_init=True, speculative_config=SPEC, **engine_args)
+def spec_llm(path: str, spec: dict, **engine_args) -> LLM:
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, speculative_config=spec, **engine_args)
 
 
 def greedy_tokens(llm: LLM, prompts, max_tokens=NUM_NEW, **params) -> list[list[int]]:
@@ -64,9 +95,9 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_identical_to_greedy_without_speculation(reference, scenario):
+def test_greedy_identical_to_greedy_without_speculation(reference, spec, scenario):
     path, prompts, expected = reference
-    llm = spec_llm(path, **SCENARIOS[scenario])
+    llm = spec_llm(path, spec, **SCENARIOS[scenario])
     got = greedy_tokens(llm, prompts)
     assert got == expected
     assert_drafts_accepted(llm)
@@ -77,9 +108,9 @@ def test_greedy_identical_to_greedy_without_speculation(reference, scenario):
     assert_all_blocks_free(llm.engine)
 
 
-def test_one_at_a_time_and_with_prefix_cache_hits(reference):
+def test_one_at_a_time_and_with_prefix_cache_hits(reference, spec):
     path, prompts, expected = reference
-    llm = spec_llm(path)
+    llm = spec_llm(path, spec)
     alone = [greedy_tokens(llm, [p])[0] for p in prompts[:4]]
     again = greedy_tokens(llm, prompts[:4])  # every prompt's full blocks now come from the cache
     assert alone == again == expected[:4]
@@ -88,11 +119,11 @@ def test_one_at_a_time_and_with_prefix_cache_hits(reference):
     assert_all_blocks_free(llm.engine)
 
 
-def test_max_tokens_and_stop_tokens_inside_an_accepted_run(reference):
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run(reference, spec):
     """Each length from 1 to 12 trims the accepted run at max_tokens; a stop token taken from the expected
     output ends it there, whether it was a draft or the draw after them."""
     path, prompts, expected = reference
-    llm = spec_llm(path)
+    llm = spec_llm(path, spec)
     for max_tokens in range(1, 13):
         assert greedy_tokens(llm, prompts, max_tokens=max_tokens) == [e[:max_tokens] for e in expected]
     for prompt, ref in zip(prompts, expected):
@@ -104,12 +135,12 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(reference):
     assert_all_blocks_free(llm.engine)
 
 
-def test_n_samples_and_logprobs_match_without_speculation(reference):
+def test_n_samples_and_logprobs_match_without_speculation(reference, spec):
     path, prompts, expected = reference
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, n=2, logprobs=2)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     plain = LLM(path, dtype="float32", skip_tokenizer_init=True).generate(inputs, params, use_tqdm=False)
-    llm = spec_llm(path)
+    llm = spec_llm(path, spec)
     spec = llm.generate(inputs, params, use_tqdm=False)
     for ref, got, want in zip(plain, spec, expected):
         assert [o.token_ids for o in got.outputs] == [want, want]
@@ -130,15 +161,15 @@ def test_moe_greedy_identical(tmp_path):
                                          bos_token_id=0, pad_token_id=0)
     model = save_random_model(config, tmp_path, seed=4)
     prompts = copy_prompts(6, seed=9)
-    llm = spec_llm(str(tmp_path), max_num_batched_tokens=24)
+    llm = spec_llm(str(tmp_path), NGRAM, max_num_batched_tokens=24)
     assert greedy_tokens(llm, prompts) == [hf_greedy(model, p, NUM_NEW) for p in prompts]
     assert_drafts_accepted(llm)
     assert_all_blocks_free(llm.engine)
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch(reference):
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(reference, spec):
     path, prompts, _ = reference
-    llm = spec_llm(path)
+    llm = spec_llm(path, spec)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=i) for i in range(16)]
     inputs = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(16)]
     batch = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
@@ -147,12 +178,12 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(reference):
     assert_all_blocks_free(llm.engine)
 
 
-def test_disable_by_batch_size_turns_drafting_off(reference):
+def test_disable_by_batch_size_turns_drafting_off(reference, spec):
     """Four copies of one prompt run in step to the end: more than 2 running the whole time, no drafts;
     alone, the same prompt speculates."""
     path, prompts, expected = reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True,
-              speculative_config={**SPEC, "disable_by_batch_size": 2})
+              speculative_config={**spec, "disable_by_batch_size": 2})
     assert greedy_tokens(llm, prompts[:1] * 4) == expected[:1] * 4
     assert llm.engine.get_stats().spec_decode.num_drafts == 0
     assert greedy_tokens(llm, prompts[:1]) == expected[:1]

@@ -1,0 +1,105 @@
+"""A smaller model of the same vocabulary drafts k tokens, one forward per draft. Its KV lives in storage of
+its own indexed by the target's block tables: the same block ids and slots, and every block copy the target's
+blocks get (swap, offload, copy-on-write) is applied to it too, so preemption and forks carry it. A rollback
+is bookkeeping: seq.num_drafter_tokens counts the leading positions whose draft KV matches the sequence's
+tokens; each proposal first runs the draft over the positions past it (the whole prompt the first time),
+then one position per further draft, into the lookahead slots the scheduler allocated (KVCacheManager)."""
+import dataclasses
+
+import torch
+
+from pagedmoe.layers.attention.metadata import Workspace
+from pagedmoe.layers.sampler import exponential_noise, filter_top_k_top_p_min_p
+from pagedmoe.spec_decode.config import SpeculativeConfig
+from pagedmoe.worker.inputs import prepare_inputs
+from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
+from pagedmoe.worker.model_loader import prepare_model
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class DraftModelProposer:
+    def __init__(self, config, spec: SpeculativeConfig):
+        self.spec = spec
+        self.config = dataclasses.replace(config, model=spec.model, tokenizer=None, skip_tokenizer_init=True,
+                                          dtype=DTYPE_NAMES[config.torch_dtype], speculative_config=None)
+        hf, target = self.config.hf_config, config.hf_config
+        if hf.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf.vocab_size}) is not the "
+                             f"target's ({target.vocab_size})")
+        self.model = prepare_model(self.config)
+        self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
+        self.max_positions = hf.max_position_embeddings
+        self.generator = torch.Generator(self.config.device).manual_seed(config.seed + 1)
+        self.kv_cache = self.workspace = self.decode_kernel = None
+
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+                           self.config.block_size, self.config.torch_dtype)
+
+    def allocate(self, num_blocks: int, num_host_blocks: int, decode_kernel=None):
+        """KV storage with as many device and host blocks as the target's, block for block."""
+        cfg = self.config
+        self.kv_cache = KVCacheStorage(cfg.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+                                       num_blocks, num_host_blocks, cfg.block_size, cfg.torch_dtype,
+                                       torch.device(cfg.device))
+        self.workspace = Workspace(cfg.torch_dtype, torch.device(cfg.device))
+        self.decode_kernel = decode_kernel if self.num_kv_tensors == 2 else None
+
+    def apply(self, transfers):
+        self.kv_cache.apply_copies(transfers)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Up to ks[i] drafts for seqs[i] (fewer where the draft's positions end), with the distributions
+        they were sampled from when speculative_config.draft_sample_method is "probabilistic"."""
+        ks = [max(min(k, self.max_positions - len(seq) - 1), 0) for seq, k in zip(seqs, ks)]
+        drafts = [([], []) for _ in seqs]
+        live = [i for i, k in enumerate(ks) if k]
+        token_lists = [seqs[i].token_ids[seqs[i].num_drafter_tokens:] for i in live]
+        starts = [seqs[i].num_drafter_tokens for i in live]
+        for step in range(max(ks, default=0)):
+            tokens, probs = self._step([seqs[i] for i in live], token_lists, starts)
+            for i, token, row in zip(live, tokens, probs):
+                drafts[i][0].append(token)
+                drafts[i][1].append(row)
+                seqs[i].num_drafter_tokens = len(seqs[i]) + step
+            kept = [j for j, i in enumerate(live) if ks[i] > step + 1]
+            live, token_lists = [live[j] for j in kept], [[tokens[j]] for j in kept]
+            starts = [len(seqs[i]) + step for i in live]
+        return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
+
+    def _step(self, seqs, token_lists, starts) -> tuple[list[int], list]:
+        """One draft forward: each sequence's next token from the row of its last input token."""
+        input_ids, positions, meta = prepare_inputs(token_lists, starts, [s.block_table for s in seqs],
+                                                    self.config.block_size, self.kv_cache.device_cache,
+                                                    self.workspace, self.decode_kernel)
+        hidden = self.model(input_ids, positions, meta)
+        last_rows = torch.cumsum(torch.tensor([len(t) for t in token_lists]), 0) - 1
+        logits = self.model.compute_logits(hidden[last_rows.to(hidden.device)]).float()
+        return self._choose(logits, seqs)
+
+    def _choose(self, logits: torch.Tensor, seqs) -> tuple[list[int], list]:
+        """Argmax drafts, or drafts sampled from the draft's distribution under each request's temperature,
+        top-k, top-p and min-p (greedy requests always argmax), with that distribution kept to verify."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+        if self.spec.draft_sample_method == "greedy" or not sampled:
+            return tokens.tolist(), [None] * len(seqs)
+        probs = draft_probs(logits[sampled], [seqs[i].params for i in sampled])
+        noise = exponential_noise(probs, [seqs[i].generator for i in sampled], self.generator)
+        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        rows = [None] * len(seqs)
+        for index, row in zip(sampled, probs):
+            rows[index] = row
+        return tokens.tolist(), rows
+
+
+def draft_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Softmax of the logits under each row's temperature, top-k, top-p and min-p: the target's transforms."""
+    as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=logits.device)
+    temperature = as_tensor([p.temperature for p in params])
+    return filter_top_k_top_p_min_p(logits / temperature[:, None], as_tensor([p.top_k for p in params], torch.long),
+                                    as_tensor([p.top_p for p in params]),
+                                    as_tensor([p.min_p for p in params])).softmax(dim=-1)

@@ -1,0 +1,124 @@
+"""The draft model's own KV (spec_decode/draft_model.py): every draft it proposes is its own greedy
+continuation of the sequence, as HF computes it from scratch, so its KV in the shared block tables is right
+through chunked prefill, preemption (both modes, which move or drop the blocks), prefix-cache hits and forks;
+drafts of another shape and an MoE target; bad configs are clear errors."""
+import pytest
+import torch
+import transformers
+
+from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from pagedmoe import LLM, SamplingParams
+from test_spec_decode_engine import assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy
+
+K, NUM_NEW = 3, 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir = tmp_path_factory.mktemp("target")
+    target = save_random_model(tiny_dense_config("qwen3"), target_dir, seed=2)
+    draft_dir = save_noisy_copy(target, tmp_path_factory.mktemp("draft"))
+    draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    return str(target_dir), target, draft_dir, draft
+
+
+def draft_llm(target_dir: str, draft_dir: str, **engine_args) -> LLM:
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": K, "adaptive": False}
+    return LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec, **engine_args)
+
+
+def record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """Every proposal the engine takes from the draft model: (the sequence's tokens, its drafts)."""
+    proposer, calls = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recorded(seqs, ks):
+        drafts = propose(seqs, ks)
+        calls.extend((list(seq.token_ids), ids) for seq, (ids, _) in zip(seqs, drafts))
+        return drafts
+    proposer.propose = recorded
+    return calls
+
+
+def assert_drafts_are_greedy_continuations(draft, calls):
+    assert calls
+    for token_ids, drafts in calls[:60]:
+        assert drafts == hf_greedy(draft, token_ids, len(drafts))
+
+
+SCENARIOS = {
+    "batch": dict(),
+    "chunked": dict(max_num_batched_tokens=16),
+    "recompute": dict(num_kv_blocks=12, preemption_mode="recompute"),
+    "swap": dict(num_kv_blocks=12, preemption_mode="swap"),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_drafts_are_the_draft_models_own_continuation(models, scenario):
+    target_dir, target, draft_dir, draft = models
+    prompts = copy_prompts(6, seed=3)
+    llm = draft_llm(target_dir, draft_dir, **SCENARIOS[scenario])
+    calls = record_proposals(llm)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert_drafts_are_greedy_continuations(draft, calls)
+    if scenario in ("recompute", "swap"):
+        assert getattr(llm.engine.get_stats(), f"num_preemptions_{scenario}") > 0
+    assert_drafts_accepted(llm)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_prefix_cache_hits_and_forks(models):
+    target_dir, target, draft_dir, draft = models
+    prompts = copy_prompts(4, seed=4)
+    llm = draft_llm(target_dir, draft_dir)
+    greedy_tokens(llm, prompts, NUM_NEW)
+    calls = record_proposals(llm)
+    params = SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=NUM_NEW, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert_drafts_are_greedy_continuations(draft, calls)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_a_draft_of_another_shape(models, tmp_path):
+    """A one-layer draft with other head and hidden sizes: its own KV shape in the same blocks."""
+    target_dir, target, _, _ = models
+    config = tiny_dense_config("llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                               num_hidden_layers=1)
+    draft = save_random_model(config, tmp_path, seed=7)
+    prompts = make_prompts(4, seed=8)
+    llm = draft_llm(target_dir, str(tmp_path))
+    calls = record_proposals(llm)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert_drafts_are_greedy_continuations(draft, calls)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_moe_target_with_a_draft(tmp_path):
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                         moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
+                                         bos_token_id=0, pad_token_id=0)
+    target = save_random_model(config, tmp_path / "target", seed=4)
+    draft_dir = save_noisy_copy(target, tmp_path / "draft", num_layers=1)
+    prompts = copy_prompts(4, seed=9)
+    llm = draft_llm(str(tmp_path / "target"), draft_dir, max_num_batched_tokens=24)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_bad_draft_configs_are_value_errors(models, tmp_path):
+    target_dir = models[0]
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(target_dir, skip_tokenizer_init=True, speculative_config={"method": "draft_model",
+                                                                      "num_speculative_tokens": 2})
+    save_random_model(tiny_dense_config("qwen3", vocab_size=VOCAB + 8), tmp_path)
+    with pytest.raises(ValueError, match="vocab_size"):
+        draft_llm(target_dir, str(tmp_path))
+    with pytest.raises(ValueError, match="draft_sample_method"):
+        LLM(target_dir, skip_tokenizer_init=True,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2,
+                                "draft_sample_method": "beam"})
