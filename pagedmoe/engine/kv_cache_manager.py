@@ -38,6 +38,7 @@ class KVCacheManager:
                  offload: bool = False, num_disk_blocks: int = 0, static_reserve=None, num_lookahead_tokens: int = 0):
         self.block_size, self.enable_caching, self.offload = block_size, enable_caching, offload
         self.num_lookahead_tokens = num_lookahead_tokens  # slots past a step's tokens a draft model writes into
+        self.drop_last_hit = False  # MTP: a hit's last block is computed again (its hidden states are needed)
         self.static_reserve = static_reserve  # seq -> tokens to reserve at admission (static allocation mode)
         self.pool = BlockPool(num_blocks, on_evict=self._offload if offload else None)
         self.host_pool = BlockPool(num_host_blocks, on_evict=self._spill if num_disk_blocks else None)
@@ -59,7 +60,7 @@ class KVCacheManager:
             if hit is None:
                 break
             hits.append(hit)
-        return hits
+        return hits[:-1] if self.drop_last_hit else hits
 
     def _lookup(self, block_hash: bytes) -> PrefixHit | None:
         if block_hash in self.pool.cached:

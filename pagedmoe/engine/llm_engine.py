@@ -66,6 +66,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
                                  config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks,
                                  static, lookahead)
+        self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -241,6 +242,8 @@ class LLMEngine:
         if out.expert_load is not None:
             self.expert_load += out.expert_load.cpu()
         self._append_prompt_logprobs(sched, out)
+        if out.hidden_states is not None:
+            _stash_hidden_states(sched, out.hidden_states)
         touched = self._append_samples(out, now)
         if self.proposer is not None:
             start = time.perf_counter()
@@ -318,6 +321,8 @@ class LLMEngine:
         accepted = num_accepted(drafts, token_ids[row:row + len(drafts) + 1])
         seq.num_computed_tokens -= len(drafts) - accepted
         seq.num_drafter_tokens = min(seq.num_drafter_tokens, len(seq) + accepted)  # the draft KV still right
+        if seq.spec_hidden is not None:  # the rejected positions' hidden states go too
+            seq.spec_hidden = seq.spec_hidden[:seq.num_computed_tokens - seq.num_drafter_tokens]
         self.spec_decode_stats.record(len(drafts), accepted)
         for offset in range(accepted + 1):
             self._append_token(seq, token_ids[row + offset], sampled, row + offset)
@@ -441,6 +446,14 @@ class LLMEngine:
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist(),
                            self.spec_decode_stats.copy() if self.proposer is not None else None)
+
+
+def _stash_hidden_states(sched: SchedulerOutput, hidden: torch.Tensor):
+    """Each sequence's hidden states of the step's positions, kept until its MTP proposer reads them."""
+    offset = 0
+    for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
+        rows, offset = hidden[offset:offset + num_new].clone(), offset + num_new
+        seq.spec_hidden = rows if seq.spec_hidden is None else torch.cat([seq.spec_hidden, rows])
 
 
 def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:

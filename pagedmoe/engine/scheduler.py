@@ -86,6 +86,7 @@ class Scheduler:
             return
         self.kv.free(seq)
         seq.num_computed_tokens = seq.num_drafter_tokens = 0
+        seq.spec_hidden = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions["recompute"] += 1
@@ -108,6 +109,8 @@ class Scheduler:
             num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
                 break
+            if self.kv.drop_last_hit:  # an MTP's KV over the cached blocks is taken as it is
+                seq.num_drafter_tokens = seq.num_computed_tokens
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
             if self.kv.enable_caching:

@@ -69,6 +69,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens for the next step: not committed, never hashed
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
         self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
+        self.spec_hidden: torch.Tensor | None = None  # MTP: target hidden states, positions num_drafter_tokens..
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -103,7 +104,7 @@ class Sequence:
         child = Sequence(seq_id, self.request, list(self.token_ids), sample_index)
         child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
         child.block_hashes, child.num_cached_blocks = list(self.block_hashes), self.num_cached_blocks
-        child.num_drafter_tokens = self.num_drafter_tokens
+        child.num_drafter_tokens, child.spec_hidden = self.num_drafter_tokens, self.spec_hidden
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child

@@ -3,7 +3,7 @@ import os
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-IMPLEMENTED = ("ngram", "draft_model")
+IMPLEMENTED = ("ngram", "draft_model", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -44,6 +44,12 @@ class SpeculativeConfig:
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"speculative_config.draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)}, "
                              f"got {self.draft_sample_method!r}")
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        """Whether the proposer drafts from the target's hidden states (MTP), whose KV entry at a position
+        also depends on the token after it: a prefix-cache hit's last block is computed again."""
+        return self.method in ("mtp", "eagle3")
 
     @property
     def uses_draft_kv(self) -> bool:

@@ -5,6 +5,7 @@ is bookkeeping: seq.num_drafter_tokens counts the leading positions whose draft 
 tokens; each proposal first runs the draft over the positions past it (the whole prompt the first time),
 then one position per further draft, into the lookahead slots the scheduler allocated (KVCacheManager)."""
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,16 @@ from pagedmoe.worker.model_loader import prepare_model
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+@dataclass
+class DraftInputs:
+    token_lists: list[list[int]]
+    starts: list[int]
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden] one target hidden state per token (MTP, EAGLE)
+
+
 class DraftModelProposer:
+    uses_hidden_states = False  # whether the proposer reads the target's hidden states (seq.spec_hidden)
+
     def __init__(self, config, spec: SpeculativeConfig):
         self.spec = spec
         self.config = dataclasses.replace(config, model=spec.model, tokenizer=None, skip_tokenizer_init=True,
@@ -28,22 +38,28 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf.vocab_size}) is not the "
                              f"target's ({target.vocab_size})")
         self.model = prepare_model(self.config)
+        self.setup(config)
+
+    def setup(self, config):
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
-        self.max_positions = hf.max_position_embeddings
+        self.max_positions = self.config.hf_config.max_position_embeddings
         self.generator = torch.Generator(self.config.device).manual_seed(config.seed + 1)
         self.kv_cache = self.workspace = self.decode_kernel = None
 
     @property
+    def num_layers(self) -> int:
+        return self.config.hf_config.num_hidden_layers
+
+    @property
     def block_bytes(self) -> int:
-        return block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
-                           self.config.block_size, self.config.torch_dtype)
+        return block_bytes(self.num_layers, self.num_kv_tensors, self.token_shape, self.config.block_size,
+                           self.config.torch_dtype)
 
     def allocate(self, num_blocks: int, num_host_blocks: int, decode_kernel=None):
         """KV storage with as many device and host blocks as the target's, block for block."""
         cfg = self.config
-        self.kv_cache = KVCacheStorage(cfg.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
-                                       num_blocks, num_host_blocks, cfg.block_size, cfg.torch_dtype,
-                                       torch.device(cfg.device))
+        self.kv_cache = KVCacheStorage(self.num_layers, self.num_kv_tensors, self.token_shape, num_blocks,
+                                       num_host_blocks, cfg.block_size, cfg.torch_dtype, torch.device(cfg.device))
         self.workspace = Workspace(cfg.torch_dtype, torch.device(cfg.device))
         self.decode_kernel = decode_kernel if self.num_kv_tensors == 2 else None
 
@@ -57,28 +73,42 @@ class DraftModelProposer:
         ks = [max(min(k, self.max_positions - len(seq) - 1), 0) for seq, k in zip(seqs, ks)]
         drafts = [([], []) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k]
-        token_lists = [seqs[i].token_ids[seqs[i].num_drafter_tokens:] for i in live]
-        starts = [seqs[i].num_drafter_tokens for i in live]
+        inputs = self.first_inputs([seqs[i] for i in live])
         for step in range(max(ks, default=0)):
-            tokens, probs = self._step([seqs[i] for i in live], token_lists, starts)
+            tokens, probs, hidden = self._step([seqs[i] for i in live], inputs)
             for i, token, row in zip(live, tokens, probs):
                 drafts[i][0].append(token)
                 drafts[i][1].append(row)
-                seqs[i].num_drafter_tokens = len(seqs[i]) + step
+                self.advance(seqs[i], step)
             kept = [j for j, i in enumerate(live) if ks[i] > step + 1]
-            live, token_lists = [live[j] for j in kept], [[tokens[j]] for j in kept]
-            starts = [len(seqs[i]) + step for i in live]
+            live = [live[j] for j in kept]
+            inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden[kept], step + 1)
         return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
 
-    def _step(self, seqs, token_lists, starts) -> tuple[list[int], list]:
+    def first_inputs(self, seqs) -> DraftInputs:
+        """The positions past the draft's KV, the whole prompt the first time; the last predicts draft 1."""
+        return DraftInputs([seq.token_ids[seq.num_drafter_tokens:] for seq in seqs],
+                           [seq.num_drafter_tokens for seq in seqs])
+
+    def next_inputs(self, seqs, tokens: list[int], hidden: torch.Tensor, step: int) -> DraftInputs:
+        """Draft `step` (from 1) in at its position, to predict the next."""
+        return DraftInputs([[t] for t in tokens], [len(seq) - 1 + step for seq in seqs])
+
+    def advance(self, seq, step: int):
+        seq.num_drafter_tokens = len(seq) + step
+
+    def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def _step(self, seqs, inputs: DraftInputs) -> tuple[list[int], list, torch.Tensor]:
         """One draft forward: each sequence's next token from the row of its last input token."""
-        input_ids, positions, meta = prepare_inputs(token_lists, starts, [s.block_table for s in seqs],
+        input_ids, positions, meta = prepare_inputs(inputs.token_lists, inputs.starts, [s.block_table for s in seqs],
                                                     self.config.block_size, self.kv_cache.device_cache,
                                                     self.workspace, self.decode_kernel)
-        hidden = self.model(input_ids, positions, meta)
-        last_rows = torch.cumsum(torch.tensor([len(t) for t in token_lists]), 0) - 1
-        logits = self.model.compute_logits(hidden[last_rows.to(hidden.device)]).float()
-        return self._choose(logits, seqs)
+        hidden = self.forward(input_ids, positions, meta, inputs.hidden)
+        last_rows = torch.cumsum(torch.tensor([len(t) for t in inputs.token_lists]), 0) - 1
+        hidden = hidden[last_rows.to(hidden.device)]
+        return *self._choose(self.model.compute_logits(hidden).float(), seqs), hidden
 
     def _choose(self, logits: torch.Tensor, seqs) -> tuple[list[int], list]:
         """Argmax drafts, or drafts sampled from the draft's distribution under each request's temperature,

@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 
 from pagedmoe.spec_decode.config import SpeculativeConfig
 from pagedmoe.spec_decode.draft_model import DraftModelProposer
+from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.spec_decode.ngram import propose_ngram
 
 
@@ -52,11 +53,11 @@ class NgramProposer:
 
 
 def make_drafter(config):
-    """The draft model the worker runs and keeps KV for (method "draft_model"), else None."""
+    """The draft model or MTP layer the worker runs and keeps KV for, else None (n-gram)."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method == "ngram":
         return None
-    return DraftModelProposer(config, spec)
+    return MTPProposer(config, spec) if spec.method == "mtp" else DraftModelProposer(config, spec)
 
 
 def make_proposer(config: SpeculativeConfig | None, drafter=None):

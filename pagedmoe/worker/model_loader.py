@@ -27,7 +27,10 @@ def weight_files(model_dir: str) -> list[str]:
 
 def prepare_model(config: EngineConfig) -> torch.nn.Module:
     """The model loaded, its weights pre-packed and its CPU kernels attached, as the config asks."""
-    model = load_model(config)
+    return finish_model(load_model(config), config)
+
+
+def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:
     if config.prepack_weights:
         pack_weights(model)
     if torch.device(config.device).type == "cpu":

@@ -28,6 +28,7 @@ class ModelRunnerOutput:
     #                         a sequence with k draft tokens has k + 1 rows, one per position it verifies
     prompt_logprobs: dict[int, tuple[int, torch.Tensor, torch.Tensor]]  # seq_id -> (first position, logprobs, ids)
     expert_load: torch.Tensor | None  # [num_moe_layers, num_experts] tokens routed this step
+    hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] the final hidden states, for an MTP proposer
 
 
 class ModelRunner:
@@ -109,7 +110,9 @@ class ModelRunner:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
         prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
-        return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load)
+        keep_hidden = self.drafter is not None and self.drafter.uses_hidden_states
+        return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
+                                 hidden if keep_hidden else None)
 
     def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> torch.Tensor:
         rows, offset = [], 0
