@@ -8,7 +8,8 @@ import transformers
 
 from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
 from pagedmoe import LLM, SamplingParams
-from test_spec_decode_engine import assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy
+from test_spec_decode_engine import (assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy,
+                                     tiny_moe_config)
 
 K, NUM_NEW = 3, 24
 
@@ -96,12 +97,7 @@ def test_a_draft_of_another_shape(models, tmp_path):
 
 
 def test_moe_target_with_a_draft(tmp_path):
-    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                                         moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                                         norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
-                                         bos_token_id=0, pad_token_id=0)
-    target = save_random_model(config, tmp_path / "target", seed=4)
+    target = save_random_model(tiny_moe_config(), tmp_path / "target", seed=4)
     draft_dir = save_noisy_copy(target, tmp_path / "draft", num_layers=1)
     prompts = copy_prompts(4, seed=9)
     llm = draft_llm(str(tmp_path / "target"), draft_dir, max_num_batched_tokens=24)

@@ -153,13 +153,16 @@ def test_n_samples_and_logprobs_match_without_speculation(reference, spec):
     assert_all_blocks_free(llm.engine)
 
 
+def tiny_moe_config():
+    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                       moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                       norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
+                                       bos_token_id=0, pad_token_id=0)
+
+
 def test_moe_greedy_identical(tmp_path):
-    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                                         moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                                         norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
-                                         bos_token_id=0, pad_token_id=0)
-    model = save_random_model(config, tmp_path, seed=4)
+    model = save_random_model(tiny_moe_config(), tmp_path, seed=4)
     prompts = copy_prompts(6, seed=9)
     llm = spec_llm(str(tmp_path), NGRAM, max_num_batched_tokens=24)
     assert greedy_tokens(llm, prompts) == [hf_greedy(model, p, NUM_NEW) for p in prompts]
