@@ -30,12 +30,9 @@ class SpecDecodeStats:
 
 
 def can_speculate(seq) -> bool:
-    """Beam search runs without drafts; so do sequences whose sampling depends on the tokens before each
-    position in ways the rows of one step do not see (penalties, min_tokens bans still in force)."""
-    params = seq.params
-    if seq.request.beam is not None or seq.num_output_tokens < params.min_tokens:
-        return False
-    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+    """Beam search runs without drafts (its candidates are ranked per step, not sampled). Penalties and
+    min_tokens bans apply per draft position, each row seeing the drafts before it (ModelRunner)."""
+    return seq.request.beam is None
 
 
 def max_draft_tokens(seq, k: int, max_model_len: int) -> int:

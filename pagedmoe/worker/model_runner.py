@@ -134,10 +134,10 @@ class ModelRunner:
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:
         rows = _sampling_rows(seqs, num_samples)
-        params = [seq.params for seq, _ in rows]
+        params = [seq.params for seq, _, _ in rows]
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=self.device)
         counts, prompt_mask = self._penalty_inputs(rows)
-        generators = [generator for _, generator in rows]
+        generators = [generator for _, generator, _ in rows]
         return SamplingBatch(
             as_tensor([p.temperature for p in params]), as_tensor([p.top_p for p in params]),
             as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
@@ -159,19 +159,21 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(probs)
 
     def _penalty_inputs(self, rows):
-        if not any(_has_penalty(seq.params) for seq, _ in rows):
+        if not any(_has_penalty(seq.params) for seq, _, _ in rows):
             return None, None
         vocab = self.config.hf_config.vocab_size
         counts = torch.zeros(len(rows), vocab, device=self.device)
         prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
-        for row, (seq, _) in enumerate(rows):
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=self.device)
+        for row, (seq, _, num_drafts) in enumerate(rows):  # a draft position sees the drafts before it
+            out = torch.tensor(seq.output_token_ids + seq.spec_token_ids[:num_drafts], dtype=torch.long,
+                               device=self.device)
             counts[row].index_add_(0, out, torch.ones(len(out), device=self.device))
             prompt_mask[row, torch.tensor(seq.token_ids[:seq.num_prompt_tokens], device=self.device)] = True
         return counts, prompt_mask
 
     def _banned(self, rows) -> torch.Tensor | None:
-        under_min = [(r, seq) for r, (seq, _) in enumerate(rows) if seq.num_output_tokens < seq.params.min_tokens]
+        under_min = [(r, seq) for r, (seq, _, num_drafts) in enumerate(rows)
+                     if seq.num_output_tokens + num_drafts < seq.params.min_tokens]
         if not under_min:
             return None
         banned = torch.zeros(len(rows), self.config.hf_config.vocab_size, dtype=torch.bool, device=self.device)
@@ -209,15 +211,15 @@ def _num_logprobs(params) -> int:
     return 0 if params.num_samples > params.n else -1
 
 
-def _sampling_rows(seqs: list[Sequence], num_samples: list[int]) -> list[tuple[Sequence, torch.Generator | None]]:
-    """One row per sample of a forking sequence (each sample's own generator), else one per position the
-    sequence verifies (1 + its drafts, all drawing from its generator)."""
+def _sampling_rows(seqs: list[Sequence], num_samples: list[int]) -> list[tuple[Sequence, torch.Generator | None, int]]:
+    """(sequence, generator, drafts before the row): one row per sample of a forking sequence (each sample's
+    own generator), else one per position the sequence verifies (1 + its drafts, all from its generator)."""
     rows = []
     for seq, n in zip(seqs, num_samples):
         if n > 1:
-            rows += [(seq, seq.request.generators[i] if seq.request.generators else None) for i in range(n)]
+            rows += [(seq, seq.request.generators[i] if seq.request.generators else None, 0) for i in range(n)]
         else:
-            rows += [(seq, seq.generator)] * (1 + len(seq.spec_token_ids))
+            rows += [(seq, seq.generator, i) for i in range(1 + len(seq.spec_token_ids))]
     return rows
 
 

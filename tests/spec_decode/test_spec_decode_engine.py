@@ -192,3 +192,21 @@ def test_disable_by_batch_size_turns_drafting_off(reference, spec):
     assert greedy_tokens(llm, prompts[:1]) == expected[:1]
     assert_drafts_accepted(llm)
     assert_all_blocks_free(llm.engine)
+
+
+def test_penalties_and_min_tokens_apply_at_every_draft_position(reference, spec):
+    """Penalties count the drafts before each position and min_tokens bans stop tokens at the positions
+    still under it: the same tokens as without speculation."""
+    path, prompts, expected = reference
+    penalties = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, repetition_penalty=1.2,
+                               presence_penalty=0.3, frequency_penalty=0.2)
+    stops = [SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=8, stop_token_ids=[ref[2]])
+             for ref in expected]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain, llm = LLM(path, dtype="float32", skip_tokenizer_init=True), spec_llm(path, spec)
+    for params in (penalties, stops):
+        want = [o.outputs[0].token_ids for o in plain.generate(inputs, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)] == want
+    assert all(len(o) >= 8 for o in want)  # without the ban each would stop at its third token
+    assert_drafts_accepted(llm)
+    assert_all_blocks_free(llm.engine)
