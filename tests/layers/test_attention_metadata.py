@@ -1,7 +1,7 @@
 import torch
 
 from pagedmoe.layers.attention import metadata
-from pagedmoe.layers.attention.metadata import Workspace, build_attention_metadata
+from pagedmoe.layers.attention.metadata import MAX_SHORT_QUERY, Workspace, build_attention_metadata, rows_as_decodes
 
 BLOCK = 4
 
@@ -41,12 +41,25 @@ def test_decode_chunks_cover_every_sequence_longest_first(monkeypatch):
 
 def test_prefill_groups_have_no_decode_chunks():
     kv_caches = torch.zeros(1, 2, 8, BLOCK, 4)
-    meta = build_attention_metadata(torch.tensor([3, 1]), torch.tensor([3, 6]), torch.tensor([[0, 0], [1, 2]]),
-                                    torch.zeros(4), kv_caches, BLOCK, Workspace(torch.float32, torch.device("cpu")))
+    num_new = MAX_SHORT_QUERY + 1
+    tables = torch.tensor([list(range(-(-num_new // BLOCK))), [1, 2, 0][:-(-num_new // BLOCK)]])
+    meta = build_attention_metadata(torch.tensor([num_new, 1]), torch.tensor([num_new, 6]), tables,
+                                    torch.zeros(num_new + 1), kv_caches, BLOCK,
+                                    Workspace(torch.float32, torch.device("cpu")))
     decode, prefill = meta.groups
     assert decode.is_decode and len(decode.decode_chunks) == 1
     assert not prefill.is_decode and prefill.decode_chunks == []
-    assert prefill.query_starts == [0] and prefill.query_lens == [3] and prefill.seq_lens == [3]
+    assert prefill.query_starts == [0] and prefill.query_lens == [num_new] and prefill.seq_lens == [num_new]
+
+
+def test_short_queries_attend_as_one_decode_per_row():
+    """A 3-row query (a speculating sequence's last token and two drafts) ending at position 9: rows with
+    contexts of 8, 9 and 10 positions over its block table; the decode and the long query keep theirs."""
+    query_lens, seq_lens = torch.tensor([1, 3, 12]), torch.tensor([5, 10, 12])
+    tables = torch.tensor([[7], [8], [9]])
+    query_lens, seq_lens, tables = rows_as_decodes(query_lens, seq_lens, tables)
+    assert query_lens.tolist() == [1, 1, 1, 1, 12] and seq_lens.tolist() == [5, 8, 9, 10, 12]
+    assert tables[:, 0].tolist() == [7, 8, 8, 8, 9]
 
 
 def test_gather_rows_for_every_width_and_dtype():

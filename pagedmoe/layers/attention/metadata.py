@@ -1,5 +1,5 @@
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ class Workspace:
 
 
 CHUNK_BYTES = 8 << 20  # CPU decode chunks: gathered context well inside a 32 MB L3
+MAX_SHORT_QUERY = 8  # queries up to this long (a speculating sequence's k + 1 rows) attend one row at a time
 
 
 @dataclass
@@ -36,10 +37,11 @@ class DecodeChunk:
 class AttentionGroup:
     """Sequences attended together: all decodes, or all prefill chunks."""
     token_index: torch.Tensor  # [B, max_query_len] step-token index of each padded query row
-    valid: torch.Tensor  # [B, max_query_len] which padded rows are real tokens
+    valid: torch.Tensor | None  # [B, max_query_len] which padded rows are real tokens (None: all, decodes)
     block_tables: torch.Tensor  # [B, num_blocks] blocks covering the longest context in the group
-    mask: torch.Tensor  # [B, 1, max_query_len, num_blocks * block_size] causal mask over the context
-    context_index: torch.Tensor  # [num_kv_tensors, B, num_blocks] rows of a layer's cache viewed as [-1, block]
+    mask: torch.Tensor | None  # [B, 1, max_query_len, num_blocks * block_size] causal mask over the context
+    context_index: torch.Tensor | None  # [num_kv_tensors, B, num_blocks] rows of a layer's cache viewed [-1, block]
+    #                                      (mask and context_index: None where the decode kernel attends)
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
@@ -60,6 +62,8 @@ class AttentionMetadata:
     workspace: Workspace
     decode_kernel: PagedDecodeKernel | None = None  # CPU: attends decode groups in place
     expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
+    aux_hidden_layers: tuple[int, ...] = ()  # layers whose input hidden states the forward keeps (EAGLE-3)
+    aux_hidden: list = field(default_factory=list)  # those hidden states, [num_tokens, hidden] each
 
 
 def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -67,15 +71,44 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
                              workspace: Workspace, decode_kernel: PagedDecodeKernel | None = None
                              ) -> AttentionMetadata:
     device = workspace.buffer.device
+    query_lens, seq_lens, block_tables = rows_as_decodes(query_lens, seq_lens, block_tables)
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
-    groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
-                           plan_chunks=decode_kernel is None)
-              for sel in (is_decode, ~is_decode) if sel.any()]
+    if decode_kernel is not None and bool(is_decode.all()):
+        groups = [_kernel_decode_group(seq_lens, block_tables, block_size, device)]
+    else:
+        groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
+                               plan_chunks=decode_kernel is None)
+                  for sel in (is_decode, ~is_decode) if sel.any()]
     if decode_kernel is not None:  # once per step: the kernel then skips the check in each layer
         for group in (g for g in groups if g.is_decode):
             check_tables(group.block_tables, group.seq_lens_tensor, kv_caches.shape[2], block_size)
     return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace, decode_kernel)
+
+
+def rows_as_decodes(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor):
+    """Each row of a short query as a decode of its own over the same block table, its context ending at its
+    own position: one batched decode instead of a causal attention call per sequence (the step's tokens keep
+    their order)."""
+    short = (query_lens > 1) & (query_lens <= MAX_SHORT_QUERY)
+    if not short.any():
+        return query_lens, seq_lens, block_tables
+    repeats = torch.where(short, query_lens, 1)
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), repeats)
+    row = torch.arange(len(seq_index)) - (torch.cumsum(repeats, 0) - repeats)[seq_index]
+    is_row = short[seq_index]
+    lens = torch.where(is_row, seq_lens[seq_index] - query_lens[seq_index] + 1 + row, seq_lens[seq_index])
+    return torch.where(is_row, 1, query_lens[seq_index]), lens, block_tables[seq_index]
+
+
+def _kernel_decode_group(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                         device) -> AttentionGroup:
+    """Every token a decode, attended by the decode kernel in place: only the tables and lengths it reads
+    (no mask, gather index or chunks)."""
+    num_seqs, num_blocks = len(seq_lens), -(-int(seq_lens.max()) // block_size)
+    return AttentionGroup(torch.arange(num_seqs, device=device)[:, None], None,
+                          block_tables[:, :num_blocks].contiguous().to(device), None, None,
+                          list(range(num_seqs)), [1] * num_seqs, seq_lens.tolist(), seq_lens.to(device), [])
 
 
 def _build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches,
