@@ -104,9 +104,14 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if index in meta.aux_hidden_layers:
+                meta.aux_hidden.append(x)
             x = layer(positions, x, meta)
-        return self.norm(x)
+        x = self.norm(x)
+        if len(self.layers) in meta.aux_hidden_layers:  # as HF's hidden_states[num_layers]: after the norm
+            meta.aux_hidden.append(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

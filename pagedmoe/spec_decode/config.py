@@ -3,7 +3,6 @@ import os
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-IMPLEMENTED = ("ngram", "draft_model", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -11,10 +10,10 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 class SpeculativeConfig:
     """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..,
     "prompt_lookup_max": .., "disable_by_batch_size": ..}, or {"method": "draft_model", "model": DIR,
-    "draft_sample_method": "greedy" | "probabilistic"}."""
+    "draft_sample_method": "greedy" | "probabilistic"}, {"method": "eagle3", "model": HEAD_DIR}, {"method": "mtp"}."""
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # the draft model's directory (draft_model)
+    model: str | None = None  # the draft model's or EAGLE-3 head's directory
     draft_sample_method: str = "greedy"  # draft tokens by argmax, or sampled from the draft's distribution
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -24,9 +23,6 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}")
-        if self.method not in IMPLEMENTED:
-            raise ValueError(f"speculative_config.method {self.method!r} is not implemented yet; "
-                             f"use one of {list(IMPLEMENTED)}")
         self._check_model()
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, "
@@ -38,8 +34,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.disable_by_batch_size must be >= 1")
 
     def _check_model(self):
-        if self.method == "draft_model" and not (isinstance(self.model, str) and os.path.isdir(self.model)):
-            raise ValueError(f"speculative_config.model: method 'draft_model' needs the draft model's directory, "
+        needs_model = self.method in ("draft_model", "eagle3")
+        if needs_model and not (isinstance(self.model, str) and os.path.isdir(self.model)):
+            raise ValueError(f"speculative_config.model: method {self.method!r} needs the draft's directory, "
                              f"got {self.model!r}")
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"speculative_config.draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)}, "

@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 
 from pagedmoe.spec_decode.config import SpeculativeConfig
 from pagedmoe.spec_decode.draft_model import DraftModelProposer
+from pagedmoe.spec_decode.eagle import Eagle3Proposer
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.spec_decode.ngram import propose_ngram
 
@@ -49,11 +50,13 @@ class NgramProposer:
         return [(propose_ngram(seq.token_ids, low, high, k), None) for seq, k in zip(seqs, ks)]
 
 
-def make_drafter(config):
-    """The draft model or MTP layer the worker runs and keeps KV for, else None (n-gram)."""
+def make_drafter(config, target):
+    """The draft model, MTP layer or EAGLE-3 head the worker runs and keeps KV for, else None (n-gram)."""
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "eagle3":
+        return Eagle3Proposer(config, spec, target)
     return MTPProposer(config, spec) if spec.method == "mtp" else DraftModelProposer(config, spec)
 
 

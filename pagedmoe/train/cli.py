@@ -1,4 +1,4 @@
-"""`python -m pagedmoe.train {tokenizer,train,export,compare}`."""
+"""`python -m pagedmoe.train {tokenizer,train,export,compare,eagle3}`."""
 
 import argparse
 import dataclasses
@@ -50,6 +50,23 @@ def cmd_compare(args) -> None:
     print(compare(config_from_args(args), Path(args.root), args.routers, args.plot and Path(args.plot)))
 
 
+def cmd_eagle3(args) -> None:
+    from pagedmoe.train.eagle_train import EagleConfig, train_eagle3
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EagleConfig) if getattr(args, f.name) is not None}
+    print(train_eagle3(EagleConfig(**given)))
+
+
+def add_eagle3_parser(sub) -> None:
+    from pagedmoe.train.eagle_train import EagleConfig
+
+    eagle = sub.add_parser("eagle3", help="train an EAGLE-3 draft head on a target model's hidden states")
+    for field in dataclasses.fields(EagleConfig):
+        parser_type = type(field.default)
+        eagle.add_argument("--" + field.name.replace("_", "-"), type=parser_type, default=None)
+    eagle.set_defaults(func=cmd_eagle3)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pagedmoe.train", description="Train small MoE/dense models.")
     sub = parser.add_subparsers(dest="command_name", required=True)
@@ -69,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--plot")
     add_config_flags(compare)
     compare.set_defaults(func=cmd_compare)
+    add_eagle3_parser(sub)
     return parser
 
 

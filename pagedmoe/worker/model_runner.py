@@ -42,7 +42,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.threads = ThreadGovernor(config.num_threads or default_num_threads(), config.adaptive_threads)
         self.model = prepare_model(config)
-        self.drafter = make_drafter(config)  # a draft model, with KV of its own in the same blocks
+        self.drafter = make_drafter(config, self.model)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
@@ -101,6 +101,7 @@ class ModelRunner:
         input_ids, positions, meta, ends = self._prepare_inputs(sched)
         if self.expert_load_shape:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
+        meta.aux_hidden_layers = getattr(self.drafter, "aux_layers", ())
         hidden = self.model(input_ids, positions, meta)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
@@ -110,9 +111,14 @@ class ModelRunner:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
         prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
-        keep_hidden = self.drafter is not None and self.drafter.uses_hidden_states
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
-                                 hidden if keep_hidden else None)
+                                 self._drafter_hidden(hidden, meta))
+
+    def _drafter_hidden(self, hidden: torch.Tensor, meta) -> torch.Tensor | None:
+        """What the proposer drafts from: the final hidden states (MTP) or those entering its layers (EAGLE-3)."""
+        if self.drafter is None or not self.drafter.uses_hidden_states:
+            return None
+        return torch.cat(meta.aux_hidden, dim=-1) if meta.aux_hidden_layers else hidden
 
     def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> torch.Tensor:
         rows, offset = [], 0

@@ -118,3 +118,23 @@ def test_bad_draft_configs_are_value_errors(models, tmp_path):
         LLM(target_dir, skip_tokenizer_init=True,
             speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2,
                                 "draft_sample_method": "beam"})
+
+
+def test_stop_strings_inside_accepted_runs(text_model, tmp_path):
+    """Text prompts, a stop string taken from the middle of the output without speculation: the same text,
+    cut at the same place, whether the string ends inside an accepted run or at its bonus token."""
+    path, model, _ = text_model
+    draft = save_noisy_copy(model, tmp_path)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "adaptive": False}
+    plain, llm = LLM(path, dtype="float32"), LLM(path, dtype="float32", speculative_config=spec)
+    prompts = ["ROMEO: But soft", "JULIET: O Romeo", "ROMEO: It is the east"]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for prompt, ref in zip(prompts, plain.generate(prompts, params, use_tqdm=False)):
+        text = ref.outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        stopped = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, stop=[stop])
+        want = plain.generate(prompt, stopped, use_tqdm=False)[0].outputs[0]
+        got = llm.generate(prompt, stopped, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert llm.engine.get_stats().spec_decode.num_accepted_tokens > 0
+    assert_all_blocks_free(llm.engine)

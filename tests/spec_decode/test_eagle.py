@@ -1,0 +1,122 @@
+"""The EAGLE-3 head (spec_decode/eagle.py) against its training module (train/eagle_head.py): every draft the
+engine proposes is the training head's prediction on the same tokens at the same unrolled step, through
+chunked prefill, preemption (both modes) and prefix-cache hits, so the head's paged KV, the aux hidden states
+and the training-time-test attention agree; greedy output stays HF's. Training runs end to end and its
+export loads; the bundled head drafts for the bundled model."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from pagedmoe import LLM, SamplingParams
+from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target, target_features, train_eagle3
+from test_spec_decode_engine import greedy_tokens
+
+K, NUM_NEW = 3, 20
+BUNDLED = Path(__file__).resolve().parents[2] / "models"
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """A four-layer target and a random EAGLE-3 head for it, exported as training exports it."""
+    target_dir = tmp_path_factory.mktemp("target")
+    save_random_model(tiny_dense_config("qwen3", num_hidden_layers=4, layer_types=["full_attention"] * 4),
+                      target_dir, seed=5)
+    cfg = EagleConfig(target=str(target_dir), out_dir=str(tmp_path_factory.mktemp("head")), intermediate_size=96)
+    target = load_target(cfg.target)
+    head, aux = build_head(cfg, target)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0, 0.2) if param.dim() > 1 else param.uniform_(0.5, 1.5)
+    export(cfg, head, aux, target, {})
+    return str(target_dir), cfg.out_dir, target, head, aux
+
+
+def eagle_llm(target_dir: str, head: str, **engine_args) -> LLM:
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "adaptive": False}
+    return LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec, **engine_args)
+
+
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    proposer, calls = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recorded(seqs, ks):
+        drafts = propose(seqs, ks)
+        calls.extend((list(seq.token_ids), ids) for seq, (ids, _) in zip(seqs, drafts))
+        return drafts
+    proposer.propose = recorded
+    return calls
+
+
+@torch.no_grad()
+def training_head_drafts(target, head, aux, token_ids: list[int], drafts: list[int]) -> list[int]:
+    """The training head's argmax at each unrolled step, the engine's drafts fed as the tokens."""
+    tokens = torch.tensor([token_ids + drafts])
+    fused, _ = target_features(target, tokens, aux)
+    outputs = head.unroll(target.get_input_embeddings()(tokens[:, 1:]), fused[:, :-1], len(drafts))
+    rows = [outputs[step][0, len(token_ids) - 2 + step] for step in range(len(drafts))]
+    return [int(target.get_output_embeddings()(head.norm(row)).argmax()) for row in rows]
+
+
+SCENARIOS = {
+    "batch": dict(),
+    "chunked": dict(max_num_batched_tokens=16),
+    "recompute": dict(num_kv_blocks=10, preemption_mode="recompute"),
+    "swap": dict(num_kv_blocks=10, preemption_mode="swap"),
+}
+
+
+@pytest.mark.parametrize("scenario", [*SCENARIOS, "prefix_hits"])
+def test_drafts_are_the_training_heads(head_dir, scenario):
+    target_dir, head_path, target, head, aux = head_dir
+    prompts = make_prompts(5, seed=4, min_len=34, max_len=60)
+    llm = eagle_llm(target_dir, head_path, **SCENARIOS.get(scenario, {}))
+    if scenario == "prefix_hits":
+        greedy_tokens(llm, prompts, NUM_NEW)
+    calls = record_drafts(llm)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert calls and all(training_head_drafts(target, head, aux, t, d) == d for t, d in calls[::4])
+    if scenario == "prefix_hits":
+        assert llm.engine.get_stats().prefix_cache_hits > 0
+    if scenario in ("recompute", "swap"):
+        assert getattr(llm.engine.get_stats(), f"num_preemptions_{scenario}") > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_training_runs_and_its_export_drafts(text_model, tmp_path):
+    path, model, tokenizer = text_model
+    cfg = EagleConfig(target=path, out_dir=str(tmp_path / "head"), corpus=str(CORPUS), seq_len=32, batch_size=2,
+                      max_steps=3, warmup_steps=1, intermediate_size=64, num_steps=2)
+    out = train_eagle3(cfg)
+    assert (out / "training.json").is_file() and len((out / "training.json").read_text()) > 0
+    llm = eagle_llm(path, str(out))
+    prompts = make_prompts(3, seed=6)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+    assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_bad_head_configs_are_value_errors(head_dir, tmp_path):
+    target_dir = head_dir[0]
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(target_dir, skip_tokenizer_init=True, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    save_random_model(tiny_dense_config("qwen3"), tmp_path)
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        eagle_llm(target_dir, str(tmp_path))
+
+
+def test_the_bundled_head_drafts_for_the_bundled_model():
+    prompt = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun."
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLM(str(BUNDLED / "pagedmoe-moe-default"), dtype="float32")
+    llm = LLM(str(BUNDLED / "pagedmoe-moe-default"), dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(BUNDLED / "pagedmoe-eagle3-default"),
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    stats = llm.engine.get_stats().spec_decode
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.3  # a trained head, not a random one
+    assert_all_blocks_free(llm.engine)
