@@ -12,7 +12,7 @@ import torch
 from pagedmoe.layers.attention.metadata import Workspace
 from pagedmoe.layers.sampler import exponential_noise, filter_top_k_top_p_min_p
 from pagedmoe.spec_decode.config import SpeculativeConfig
-from pagedmoe.worker.inputs import prepare_inputs
+from pagedmoe.worker.inputs import decode_inputs, pad_block_tables, prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
 from pagedmoe.worker.model_loader import prepare_model
 
@@ -61,7 +61,7 @@ class DraftModelProposer:
         self.kv_cache = KVCacheStorage(self.num_layers, self.num_kv_tensors, self.token_shape, num_blocks,
                                        num_host_blocks, cfg.block_size, cfg.torch_dtype, torch.device(cfg.device))
         self.workspace = Workspace(cfg.torch_dtype, torch.device(cfg.device))
-        self.decode_kernel = decode_kernel if self.num_kv_tensors == 2 else None
+        self.decode_kernel = decode_kernel if self.num_kv_tensors != 1 else None  # none for MLA
 
     def apply(self, transfers):
         self.kv_cache.apply_copies(transfers)
@@ -74,15 +74,17 @@ class DraftModelProposer:
         drafts = [([], []) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k]
         inputs = self.first_inputs([seqs[i] for i in live])
+        tables = pad_block_tables([seqs[i].block_table for i in live]) if live else None
         for step in range(max(ks, default=0)):
-            tokens, probs, hidden = self._step([seqs[i] for i in live], inputs)
+            tokens, probs, hidden = self._step([seqs[i] for i in live], inputs, tables)
             for i, token, row in zip(live, tokens, probs):
                 drafts[i][0].append(token)
                 drafts[i][1].append(row)
                 self.advance(seqs[i], step)
             kept = [j for j, i in enumerate(live) if ks[i] > step + 1]
-            live = [live[j] for j in kept]
-            inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden[kept], step + 1)
+            if len(kept) < len(live):
+                live, tables, hidden = [live[j] for j in kept], tables[kept], hidden[kept]
+            inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden, step + 1)
         return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
 
     def first_inputs(self, seqs) -> DraftInputs:
@@ -100,15 +102,25 @@ class DraftModelProposer:
     def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def _step(self, seqs, inputs: DraftInputs) -> tuple[list[int], list, torch.Tensor]:
+    def _step(self, seqs, inputs: DraftInputs, tables: torch.Tensor) -> tuple[list[int], list, torch.Tensor]:
         """One draft forward: each sequence's next token from the row of its last input token."""
-        input_ids, positions, meta = prepare_inputs(inputs.token_lists, inputs.starts, [s.block_table for s in seqs],
-                                                    self.config.block_size, self.kv_cache.device_cache,
-                                                    self.workspace, self.decode_kernel)
+        input_ids, positions, meta = self._prepare(seqs, inputs, tables)
         hidden = self.forward(input_ids, positions, meta, inputs.hidden)
-        last_rows = torch.cumsum(torch.tensor([len(t) for t in inputs.token_lists]), 0) - 1
-        hidden = hidden[last_rows.to(hidden.device)]
+        if len(hidden) != len(seqs):  # the last row of each sequence's tokens
+            last_rows = torch.cumsum(torch.tensor([len(t) for t in inputs.token_lists]), 0) - 1
+            hidden = hidden[last_rows.to(hidden.device)]
         return *self._choose(self.model.compute_logits(hidden).float(), seqs), hidden
+
+    def _prepare(self, seqs, inputs: DraftInputs, tables: torch.Tensor):
+        """The step's inputs; a step of one token per sequence reuses the block tables (decode kernel)."""
+        cfg, cache = self.config, self.kv_cache.device_cache
+        if self.decode_kernel is None or any(len(tokens) != 1 for tokens in inputs.token_lists):
+            return prepare_inputs(inputs.token_lists, inputs.starts, [s.block_table for s in seqs], cfg.block_size,
+                                  cache, self.workspace, self.decode_kernel)
+        positions = torch.tensor(inputs.starts, dtype=torch.long)
+        meta = decode_inputs(positions, tables, cfg.block_size, cache, self.workspace, self.decode_kernel)
+        device = self.workspace.buffer.device
+        return torch.tensor([t[0] for t in inputs.token_lists], device=device), positions.to(device), meta
 
     def _choose(self, logits: torch.Tensor, seqs) -> tuple[list[int], list]:
         """Argmax drafts, or drafts sampled from the draft's distribution under each request's temperature,

@@ -1,9 +1,9 @@
 """An EAGLE-3 draft head (vLLM's llama_eagle3 layout, EAGLE-3's checkpoint names): one decoder layer over the
 target's embeddings and LM head. The target's hidden states entering three of its layers (low, middle, high:
 `eagle_aux_hidden_state_layer_ids` in the head's config; index L is the final, normed hidden state) are fused
-by fc (3h -> h); entry j takes token j + 1 and the fused state at position j and predicts token j + 2. The layer's attention reads
-[input_layernorm(embed(token)); hidden_norm(hidden)] (2h wide), its residual carries the hidden state; its
-pre-norm output is the hidden state of the next draft, and norm + the target's LM head give the logits.
+by fc (3h -> h); entry j takes token j + 1 and the fused state at position j and predicts token j + 2. The
+layer's attention reads [input_layernorm(embed(token)); hidden_norm(hidden)] (2h wide), its residual carries
+the hidden state; its pre-norm output is the hidden state of the next draft, and norm + the target's LM head give the logits.
 Runs through the MTP proposer's bookkeeping (mtp.py): same entries, KV in the target's blocks."""
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
-from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, head_dim_of
+from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.model_loader import finish_model, weight_files
@@ -69,14 +69,7 @@ class Eagle3Head(nn.Module):
             module, shard = STACKED_PARAMS[parts[-2]]
             self.get_submodule(".".join(parts[:-2] + [module])).load_shard(shard, parts[-1], tensor)
             return True
-        try:
-            param = self.get_parameter(".".join(parts))
-        except AttributeError:
-            return False
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-        param.data.copy_(tensor)
-        return True
+        return _copy_param(self, ".".join(parts), tensor)
 
 
 def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:

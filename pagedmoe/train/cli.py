@@ -16,8 +16,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=None, choices=choices)
 
 
+def given_fields(args: argparse.Namespace, config_cls) -> dict:
+    """The dataclass fields set on the command line."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if getattr(args, f.name) is not None}
+
+
 def config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
+    given = given_fields(args, TrainConfig)
     return (base or TrainConfig()).replace(**given)
 
 
@@ -53,8 +58,7 @@ def cmd_compare(args) -> None:
 def cmd_eagle3(args) -> None:
     from pagedmoe.train.eagle_train import EagleConfig, train_eagle3
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EagleConfig) if getattr(args, f.name) is not None}
-    print(train_eagle3(EagleConfig(**given)))
+    print(train_eagle3(EagleConfig(**given_fields(args, EagleConfig))))
 
 
 def add_eagle3_parser(sub) -> None:

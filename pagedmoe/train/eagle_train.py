@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,6 +34,7 @@ class EagleConfig:
     weight_decay: float = 0.01
     seed: int = 0
     threads: int = 2
+    init: str = ""  # a head directory to start from (its model.safetensors), instead of a random head
 
 
 def load_target(path: str):
@@ -76,6 +77,8 @@ def train_eagle3(cfg: EagleConfig) -> Path:
     train_text, val_text = read_splits(cfg.corpus)
     train_ids, val_ids = encode(tokenizer, train_text), encode(tokenizer, val_text)
     head, aux = build_head(cfg, target)
+    if cfg.init:
+        head.load_state_dict(load_file(str(Path(cfg.init) / "model.safetensors")))
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator, start, log = torch.Generator().manual_seed(cfg.seed), time.time(), []
     for step in (bar := tqdm(range(cfg.max_steps), desc="eagle3")):

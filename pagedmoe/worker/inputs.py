@@ -1,6 +1,8 @@
 import torch
 
-from pagedmoe.layers.attention.metadata import AttentionMetadata, Workspace, build_attention_metadata
+from pagedmoe.layers.attention.cpu_kernel import check_tables
+from pagedmoe.layers.attention.metadata import (AttentionMetadata, Workspace, build_attention_metadata,
+                                                kernel_decode_group)
 
 
 def prepare_inputs(token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]],
@@ -20,6 +22,17 @@ def prepare_inputs(token_lists: list[list[int]], starts: list[int], block_tables
                                     block_size, workspace, decode_kernel)
     input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
     return input_ids, positions.to(device), meta
+
+
+def decode_inputs(positions: torch.Tensor, tables: torch.Tensor, block_size: int, kv_caches: torch.Tensor,
+                  workspace: Workspace, decode_kernel) -> AttentionMetadata:
+    """One token per sequence at `positions` over padded block tables, attended by the decode kernel: the
+    metadata of a draft model's later steps, without rebuilding the tables."""
+    slot_mapping = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    group = kernel_decode_group(positions + 1, tables, block_size, workspace.buffer.device)
+    check_tables(group.block_tables, group.seq_lens_tensor, kv_caches.shape[2], block_size)
+    return AttentionMetadata(slot_mapping.to(workspace.buffer.device), kv_caches, [group], block_size, workspace,
+                             decode_kernel)
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 from conftest import CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target, target_features, train_eagle3
+from test_draft_model import record_proposals
+from test_mtp import SCENARIOS
 from test_spec_decode_engine import greedy_tokens
 
 K, NUM_NEW = 3, 20
@@ -39,18 +41,6 @@ def eagle_llm(target_dir: str, head: str, **engine_args) -> LLM:
     return LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec, **engine_args)
 
 
-def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    proposer, calls = llm.engine.proposer, []
-    propose = proposer.propose
-
-    def recorded(seqs, ks):
-        drafts = propose(seqs, ks)
-        calls.extend((list(seq.token_ids), ids) for seq, (ids, _) in zip(seqs, drafts))
-        return drafts
-    proposer.propose = recorded
-    return calls
-
-
 @torch.no_grad()
 def training_head_drafts(target, head, aux, token_ids: list[int], drafts: list[int]) -> list[int]:
     """The training head's argmax at each unrolled step, the engine's drafts fed as the tokens."""
@@ -61,14 +51,6 @@ def training_head_drafts(target, head, aux, token_ids: list[int], drafts: list[i
     return [int(target.get_output_embeddings()(head.norm(row)).argmax()) for row in rows]
 
 
-SCENARIOS = {
-    "batch": dict(),
-    "chunked": dict(max_num_batched_tokens=16),
-    "recompute": dict(num_kv_blocks=10, preemption_mode="recompute"),
-    "swap": dict(num_kv_blocks=10, preemption_mode="swap"),
-}
-
-
 @pytest.mark.parametrize("scenario", [*SCENARIOS, "prefix_hits"])
 def test_drafts_are_the_training_heads(head_dir, scenario):
     target_dir, head_path, target, head, aux = head_dir
@@ -76,7 +58,7 @@ def test_drafts_are_the_training_heads(head_dir, scenario):
     llm = eagle_llm(target_dir, head_path, **SCENARIOS.get(scenario, {}))
     if scenario == "prefix_hits":
         greedy_tokens(llm, prompts, NUM_NEW)
-    calls = record_drafts(llm)
+    calls = record_proposals(llm)
     assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
     assert calls and all(training_head_drafts(target, head, aux, t, d) == d for t, d in calls[::4])
     if scenario == "prefix_hits":

@@ -75,7 +75,7 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
     query_start = torch.cumsum(query_lens, 0) - query_lens
     is_decode = query_lens == 1
     if decode_kernel is not None and bool(is_decode.all()):
-        groups = [_kernel_decode_group(seq_lens, block_tables, block_size, device)]
+        groups = [kernel_decode_group(seq_lens, block_tables, block_size, device)]
     else:
         groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
                                plan_chunks=decode_kernel is None)
@@ -101,7 +101,7 @@ def rows_as_decodes(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     return torch.where(is_row, 1, query_lens[seq_index]), lens, block_tables[seq_index]
 
 
-def _kernel_decode_group(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+def kernel_decode_group(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                          device) -> AttentionGroup:
     """Every token a decode, attended by the decode kernel in place: only the tables and lengths it reads
     (no mask, gather index or chunks)."""
