@@ -321,8 +321,7 @@ class LLMEngine:
         accepted = num_accepted(drafts, token_ids[row:row + len(drafts) + 1])
         seq.num_computed_tokens -= len(drafts) - accepted
         seq.num_drafter_tokens = min(seq.num_drafter_tokens, len(seq) + accepted)  # the draft KV still right
-        if seq.spec_hidden is not None:  # the rejected positions' hidden states go too
-            seq.spec_hidden = seq.spec_hidden[:seq.num_computed_tokens - seq.num_drafter_tokens]
+        seq.keep_hidden(seq.num_computed_tokens - seq.num_drafter_tokens)  # none at rejected positions
         self.spec_decode_stats.record(len(drafts), accepted)
         for offset in range(accepted + 1):
             self._append_token(seq, token_ids[row + offset], sampled, row + offset)
@@ -449,11 +448,13 @@ class LLMEngine:
 
 
 def _stash_hidden_states(sched: SchedulerOutput, hidden: torch.Tensor):
-    """Each sequence's hidden states of the step's positions, kept until its MTP proposer reads them."""
+    """Each sequence's hidden states of the step's positions, kept until its MTP / EAGLE proposer reads them
+    (not for sequences that never draft)."""
     offset = 0
     for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
-        rows, offset = hidden[offset:offset + num_new].clone(), offset + num_new
-        seq.spec_hidden = rows if seq.spec_hidden is None else torch.cat([seq.spec_hidden, rows])
+        if can_speculate(seq):
+            seq.spec_hidden.append(hidden[offset:offset + num_new].clone())
+        offset += num_new
 
 
 def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:

@@ -86,7 +86,7 @@ class Scheduler:
             return
         self.kv.free(seq)
         seq.num_computed_tokens = seq.num_drafter_tokens = 0
-        seq.spec_hidden = None
+        seq.spec_hidden = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions["recompute"] += 1

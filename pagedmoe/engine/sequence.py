@@ -69,7 +69,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens for the next step: not committed, never hashed
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
         self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
-        self.spec_hidden: torch.Tensor | None = None  # MTP: target hidden states, positions num_drafter_tokens..
+        self.spec_hidden: list[torch.Tensor] = []  # MTP / EAGLE: target hidden states of the positions from
+        #                                              num_drafter_tokens on, one chunk per step (appends are O(1))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -95,6 +96,11 @@ class Sequence:
         gens = self.request.generators
         return gens[self.sample_index] if gens else None
 
+    def keep_hidden(self, num_rows: int):
+        """The first num_rows stashed hidden states (the rest were at rejected positions)."""
+        if sum(len(chunk) for chunk in self.spec_hidden) > num_rows:
+            self.spec_hidden = [torch.cat(self.spec_hidden)[:num_rows]]
+
     def drop_drafts(self):
         """The pending drafts are dropped (preemption): the draft model's KV past the last token is stale."""
         self.spec_token_ids, self.spec_draft_probs = [], None
@@ -104,7 +110,7 @@ class Sequence:
         child = Sequence(seq_id, self.request, list(self.token_ids), sample_index)
         child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
         child.block_hashes, child.num_cached_blocks = list(self.block_hashes), self.num_cached_blocks
-        child.num_drafter_tokens, child.spec_hidden = self.num_drafter_tokens, self.spec_hidden
+        child.num_drafter_tokens, child.spec_hidden = self.num_drafter_tokens, list(self.spec_hidden)
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child

@@ -117,7 +117,7 @@ class MTPProposer(DraftModelProposer):
     def first_inputs(self, seqs) -> DraftInputs:
         """Entries num_drafter_tokens .. num_computed_tokens - 1 from the target's hidden states."""
         tokens = [seq.token_ids[seq.num_drafter_tokens + 1:seq.num_computed_tokens + 1] for seq in seqs]
-        hidden = torch.cat([seq.spec_hidden for seq in seqs]) if seqs else None
+        hidden = torch.cat([chunk for seq in seqs for chunk in seq.spec_hidden]) if seqs else None
         return DraftInputs(tokens, [seq.num_drafter_tokens for seq in seqs], hidden)
 
     def next_inputs(self, seqs, tokens: list[int], hidden: torch.Tensor, step: int) -> DraftInputs:
@@ -125,7 +125,7 @@ class MTPProposer(DraftModelProposer):
 
     def advance(self, seq, step: int):
         if step == 0:
-            seq.num_drafter_tokens, seq.spec_hidden = seq.num_computed_tokens, None
+            seq.num_drafter_tokens, seq.spec_hidden = seq.num_computed_tokens, []
 
     def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None) -> torch.Tensor:
         return self.model(input_ids, hidden, positions, meta)
