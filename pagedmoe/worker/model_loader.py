@@ -34,9 +34,11 @@ def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Modul
     if config.prepack_weights:
         pack_weights(model)
     if torch.device(config.device).type == "cpu":
-        kinds = {kind for kind, on in (("linear", config.cpu_linear_kernel), ("moe", config.cpu_moe_kernel)) if on}
         try:
-            attach_cpu_kernels(model, kinds)
+            if config.cpu_linear_kernel:
+                attach_cpu_kernels(model, {"linear"})
+            if config.cpu_moe_kernel:  # at every size: one call for all experts beats a matmul per expert
+                attach_cpu_kernels(model, {"moe"}, min_bytes=0)
         except RuntimeError as error:
             logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
     return model
