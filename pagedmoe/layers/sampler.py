@@ -57,9 +57,7 @@ class Sampler:
         return gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        probs = filter_top_k_top_p_min_p(logits / temperature[:, None], batch.top_k, batch.top_p,
-                                         batch.min_p).softmax(dim=-1)
+        probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
         noise = exponential_noise(probs, batch.generators, self.generator)
         token_ids = (probs / noise).argmax(dim=-1)
         if batch.draft_probs is not None:
@@ -98,6 +96,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
     return logits - batch.presence_penalty[:, None] * (batch.output_counts > 0)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution rows sample from: temperature (0, greedy, as 1), then top-k, top-p and min-p."""
+    temperature = torch.where(temperature == 0, 1.0, temperature)
+    return filter_top_k_top_p_min_p(logits / temperature[:, None], top_k, top_p, min_p).softmax(dim=-1)
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

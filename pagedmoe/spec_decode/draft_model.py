@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.layers.attention.metadata import Workspace
-from pagedmoe.layers.sampler import exponential_noise, filter_top_k_top_p_min_p
+from pagedmoe.layers.sampler import exponential_noise, sampling_probs
 from pagedmoe.spec_decode.config import SpeculativeConfig
 from pagedmoe.worker.inputs import decode_inputs, pad_block_tables, prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
@@ -28,6 +28,7 @@ class DraftInputs:
 
 class DraftModelProposer:
     uses_hidden_states = False  # whether the proposer reads the target's hidden states (seq.spec_hidden)
+    aux_layers: tuple[int, ...] = ()  # the target layers whose input hidden states it reads (EAGLE-3)
 
     def __init__(self, config, spec: SpeculativeConfig):
         self.spec = spec
@@ -141,7 +142,6 @@ class DraftModelProposer:
 def draft_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Softmax of the logits under each row's temperature, top-k, top-p and min-p: the target's transforms."""
     as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=logits.device)
-    temperature = as_tensor([p.temperature for p in params])
-    return filter_top_k_top_p_min_p(logits / temperature[:, None], as_tensor([p.top_k for p in params], torch.long),
-                                    as_tensor([p.top_p for p in params]),
-                                    as_tensor([p.min_p for p in params])).softmax(dim=-1)
+    return sampling_probs(logits, as_tensor([p.temperature for p in params]),
+                          as_tensor([p.top_k for p in params], torch.long), as_tensor([p.top_p for p in params]),
+                          as_tensor([p.min_p for p in params]))

@@ -14,7 +14,7 @@ from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedmoe.spec_decode.mtp import MTPProposer
-from pagedmoe.worker.model_loader import finish_model, weight_files
+from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -73,7 +73,6 @@ class Eagle3Head(nn.Module):
 
 
 def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:
-    from safetensors import safe_open
     head_config = AutoConfig.from_pretrained(spec.model, trust_remote_code=False)
     if ARCHITECTURE not in (getattr(head_config, "architectures", None) or []):
         raise ValueError(f"speculative_config.model: {spec.model!r} is not an EAGLE-3 head ({ARCHITECTURE})")
@@ -82,12 +81,7 @@ def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:
                          f"the target's ({config.hf_config.hidden_size})")
     with torch.device(config.device):
         head = Eagle3Head(head_config, target)
-    num_loaded = 0
-    for path in weight_files(spec.model):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                num_loaded += head.load_weight(name, tensor := f.get_tensor(name)) and tensor.numel()
-    num_expected = sum(t.numel() for t in head.state_dict().values())
+    num_loaded, num_expected = load_weights(head, spec.model), num_weight_elements(head)
     if num_loaded != num_expected:
         raise ValueError(f"speculative_config.model: {spec.model!r} filled {num_loaded} of the head's "
                          f"{num_expected} weight elements")

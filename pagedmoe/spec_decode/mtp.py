@@ -15,8 +15,9 @@ from torch import nn
 from pagedmoe.layers.linear import Linear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM
+from pagedmoe.models.llama import _copy_param
 from pagedmoe.spec_decode.draft_model import DraftInputs, DraftModelProposer
-from pagedmoe.worker.model_loader import finish_model, weight_files
+from pagedmoe.worker.model_loader import finish_model, num_weight_elements, weight_files
 
 OWN_WEIGHTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "norm",
                "shared_head.head": "lm_head", "embed_tokens": "embed_tokens"}  # MTP name -> module here
@@ -55,15 +56,8 @@ class DeepseekMTP(DeepseekV3ForCausalLM):
         rest = name.removeprefix(prefix)
         module, _, param = rest.rpartition(".")
         if module in OWN_WEIGHTS:
-            return self._copy(f"{OWN_WEIGHTS[module]}.{param}", tensor)
+            return _copy_param(self, f"{OWN_WEIGHTS[module]}.{param}", tensor)
         return self.load_weight(f"model.layers.0.{rest}", tensor)
-
-    def _copy(self, name: str, tensor: torch.Tensor) -> bool:
-        param = self.get_parameter(name)
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-        param.data.copy_(tensor)
-        return True
 
 
 def load_mtp(config) -> DeepseekMTP:
@@ -84,7 +78,7 @@ def load_mtp(config) -> DeepseekMTP:
                     loaded.add(name)
                     num_loaded += tensor.numel()
     num_loaded += _load_fallbacks(model, loaded, fallbacks)
-    num_expected = sum(t.numel() for t in model.state_dict().values())
+    num_expected = num_weight_elements(model)
     if num_loaded != num_expected:
         raise ValueError(f"speculative_config.method 'mtp': the checkpoint's model.layers.{hf.num_hidden_layers}.* "
                          f"filled {num_loaded} of the MTP layer's {num_expected} weight elements in {config.model!r}")
@@ -98,7 +92,7 @@ def _load_fallbacks(model: DeepseekMTP, loaded: set[str], fallbacks: dict) -> in
     for param, (path, name) in fallbacks.items():
         if param not in own:
             with safe_open(path, framework="pt") as f:
-                num_loaded += model._copy(param, tensor := f.get_tensor(name)) and tensor.numel()
+                num_loaded += _copy_param(model, param, tensor := f.get_tensor(name)) and tensor.numel()
     return num_loaded
 
 

@@ -48,15 +48,21 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     cls = resolve_model_class(config.hf_config)
     with torch.device(config.device):
         model = cls(config.hf_config)
-    num_loaded = _load_weights(model, config.model)
-    num_expected = sum(t.numel() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    num_loaded = load_weights(model, config.model)
+    num_expected = num_weight_elements(model)
     if num_loaded != num_expected:
         raise ValueError(f"model: checkpoint in {config.model!r} filled {num_loaded} of {num_expected} "
                          "weight elements; weights are missing or duplicated")
     return model.to(dtype=config.torch_dtype).eval()
 
 
-def _load_weights(model: torch.nn.Module, model_dir: str) -> int:
+def num_weight_elements(model: torch.nn.Module) -> int:
+    """Elements of the model's weights, each shared (tied) tensor counted once."""
+    return sum(t.numel() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+
+
+def load_weights(model: torch.nn.Module, model_dir: str) -> int:
+    """Every tensor of the directory's safetensors offered to model.load_weight; the elements it took."""
     num_loaded = 0
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt") as f:

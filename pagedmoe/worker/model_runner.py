@@ -101,7 +101,7 @@ class ModelRunner:
         input_ids, positions, meta, ends = self._prepare_inputs(sched)
         if self.expert_load_shape:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
-        meta.aux_hidden_layers = getattr(self.drafter, "aux_layers", ())
+        meta.aux_hidden_layers = self.drafter.aux_layers if self.drafter is not None else ()
         hidden = self.model(input_ids, positions, meta)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]

@@ -91,6 +91,7 @@ SCENARIOS = {
     "recompute": dict(num_kv_blocks=12, preemption_mode="recompute"),
     "swap": dict(num_kv_blocks=12, preemption_mode="swap"),
     "no_prefix_caching": dict(enable_prefix_caching=False),
+    "no_decode_kernel": dict(cpu_attention_kernel=False),  # the verify rows through the gather + matmul path
 }
 
 
