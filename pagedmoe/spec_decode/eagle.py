@@ -13,6 +13,8 @@ from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pagedmoe.spec_decode.draft_model import DraftInputs
+from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
@@ -93,4 +95,13 @@ class Eagle3Proposer(MTPProposer):
         self.spec, self.config = spec, config
         self.model = finish_model(load_eagle3(config, spec, target), config)
         self.aux_layers = self.model.aux_layers
+        self.fused = FusedEagleStep.of(self.model)
         self.setup(config)
+
+    def _step(self, seqs, inputs: DraftInputs, tables: torch.Tensor) -> tuple[list[int], list, torch.Tensor]:
+        """The step as one kernel call where it applies (fused_eagle.py), else through the head's modules."""
+        cache = self.kv_cache.device_cache[0]
+        if self.fused is None or not self.fused.fits(sum(map(len, inputs.token_lists)), cache):
+            return super()._step(seqs, inputs, tables)
+        hidden, logits = self.fused(cache, inputs.token_lists, inputs.starts, inputs.hidden, tables)
+        return *self._choose(logits, seqs), hidden

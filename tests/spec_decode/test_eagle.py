@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from conftest import (CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config,
+                      x86_targets)
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.layers.attention.metadata import Workspace
+from pagedmoe.spec_decode import fused_eagle
+from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
 from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target, target_features, train_eagle3
 from test_draft_model import record_proposals
 from test_mtp import SCENARIOS
 from test_spec_decode_engine import greedy_tokens
+from pagedmoe.worker.inputs import prepare_inputs
 
 K, NUM_NEW = 3, 20
 BUNDLED = Path(__file__).resolve().parents[2] / "models"
@@ -66,6 +71,59 @@ def test_drafts_are_the_training_heads(head_dir, scenario):
     if scenario in ("recompute", "swap"):
         assert getattr(llm.engine.get_stats(), f"num_preemptions_{scenario}") > 0
     assert_all_blocks_free(llm.engine)
+
+
+def test_drafts_through_the_heads_modules_where_the_fused_step_is_off(head_dir, monkeypatch):
+    """The fallback: the same drafts (the training head's) through the head's PyTorch modules."""
+    target_dir, head_path, target, head, aux = head_dir
+    monkeypatch.setattr(fused_eagle, "enabled", False)
+    llm = eagle_llm(target_dir, head_path)
+    kernel_calls = []
+    monkeypatch.setattr(llm.engine.runner.drafter.fused, "fn", lambda *args: kernel_calls.append(args))
+    calls, prompts = record_proposals(llm), make_prompts(3, seed=7, min_len=34, max_len=60)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert calls and not kernel_calls
+    assert all(training_head_drafts(target, head, aux, t, d) == d for t, d in calls[::3])
+    assert_all_blocks_free(llm.engine)
+
+
+def fused_step_problem(drafter, seed: int):
+    """Rows of three sequences (several rows each where the first draft step catches up), distinct blocks,
+    random earlier KV and random fused target states."""
+    torch.manual_seed(seed)
+    drafter.kv_cache.device_cache.normal_()
+    token_lists, starts = [[3, 9, 4], [7], [1, 2, 11, 5]], [37, 5, 14]
+    tables = torch.tensor([[4, 9, 2], [0, 1, 3], [8, 6, 5]])
+    hidden = torch.randn(8, len(drafter.aux_layers) * drafter.model.hidden_size)
+    return token_lists, starts, tables, hidden
+
+
+@pytest.mark.parametrize("target", x86_targets())
+def test_the_fused_step_is_the_heads_modules(head_dir, target):
+    """Hidden states, logits and the K/V written, as the head's modules compute them (causal over a
+    sequence's rows: each row's KV is in before the next row attends)."""
+    llm = eagle_llm(*head_dir[:2])
+    drafter = llm.engine.runner.drafter
+    fused = FusedEagleStep.of(drafter.model, fused_eagle.load_library(march=target))
+    token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=1)
+    cache = drafter.kv_cache.device_cache
+    want_cache = cache.clone()
+    ids, positions, meta = prepare_inputs(token_lists, starts, tables.tolist(), 16, want_cache,
+                                          Workspace(torch.float32, torch.device("cpu")))
+    with torch.inference_mode():
+        rows = drafter.model(ids, hidden, positions, meta)[torch.tensor([2, 3, 7])]
+        want_logits = drafter.model.compute_logits(rows)
+        got_hidden, got_logits = fused(cache[0], token_lists, starts, hidden, tables)
+    torch.testing.assert_close(got_hidden, rows, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_step_refuses_rows_past_the_block_tables(head_dir):
+    drafter = eagle_llm(*head_dir[:2]).engine.runner.drafter
+    token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=2)
+    with pytest.raises(ValueError, match="out of range"):
+        drafter.fused(drafter.kv_cache.device_cache[0], token_lists, [37, 5, 60], hidden, tables)
 
 
 def test_training_runs_and_its_export_drafts(text_model, tmp_path):

@@ -1,0 +1,106 @@
+"""The EAGLE-3 head's draft step as one C++ call (csrc/eagle_step.cpp) for float32 heads on CPU: the head is
+one small decoder layer, so eager PyTorch spends its step dispatching ops (~1 ms, a third of the bundled
+target's whole decode step), which is what a draft must not cost. `FusedEagleStep.of(head, kv_cache)` is
+None where it does not apply (another dtype or device, biases, q/k norms, no compiler): the proposer then
+runs the head's modules, the reference the kernel is tested against."""
+import ctypes
+import functools
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedmoe.layers import cpu_build
+from pagedmoe.layers.cpu_build import num_threads, ptr
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "eagle_step.cpp"
+MAX_ROWS = 32  # above this many rows a step's matmuls are cheaper as MKL GEMMs than as one GEMV per row
+enabled = True  # False: always the head's PyTorch modules (tests compare the two)
+WEIGHTS = ("embed", "input_norm", "hidden_norm", "qkv", "o", "post_norm", "gate_up", "down", "norm", "lm_head",
+           "cos", "sin")
+
+
+class Weights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in WEIGHTS]
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab", "num_blocks", "block_size",
+        "max_blocks", "max_positions")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL | None:
+    try:
+        library = cpu_build.load_library(SOURCE, compiler, march)
+    except RuntimeError as error:
+        logger.warning("the EAGLE-3 draft step falls back to PyTorch: %s", error)
+        return None
+    library.eagle3_step_f32.restype = ctypes.c_int
+    return library
+
+
+def head_tensors(head) -> dict[str, torch.Tensor]:
+    attn, target = head.self_attn, head.target[0]
+    return {"embed": target.embed_tokens.weight, "input_norm": head.input_layernorm.weight,
+            "hidden_norm": head.hidden_norm.weight, "qkv": attn.qkv_proj.weight, "o": attn.o_proj.weight,
+            "post_norm": head.post_attention_layernorm.weight, "gate_up": head.mlp.gate_up_proj.weight,
+            "down": head.mlp.down_proj.weight, "norm": head.norm.weight, "lm_head": target.lm_head.weight,
+            "cos": attn.rotary.cos, "sin": attn.rotary.sin}
+
+
+def is_supported(head, tensors: dict[str, torch.Tensor]) -> bool:
+    attn = head.self_attn
+    plain = attn.qk_norm is None and attn.clip_qkv is None and attn.qkv_proj.bias is None and attn.o_proj.bias is None
+    return plain and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                         for t in tensors.values())
+
+
+class FusedEagleStep:
+    def __init__(self, head, tensors: dict[str, torch.Tensor], library: ctypes.CDLL):
+        self.head, self.fn, self.shapes = head, library.eagle3_step_f32, {}
+        self.tensors = tensors
+        self.weights = Weights(*(self.tensors[name].data_ptr() for name in WEIGHTS))
+        self.vocab_size = tensors["lm_head"].shape[0]
+
+    @classmethod
+    def of(cls, head, library: ctypes.CDLL | None = None) -> "FusedEagleStep | None":
+        tensors = head_tensors(head)
+        library = library or (load_library() if is_supported(head, tensors) else None)
+        return cls(head, tensors, library) if library is not None and is_supported(head, tensors) else None
+
+    def fits(self, num_rows: int, cache: torch.Tensor) -> bool:
+        return enabled and num_rows <= MAX_ROWS and cache.dtype == torch.float32 and cache.is_contiguous()
+
+    def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int], hidden: torch.Tensor,
+                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's output hidden state and logits at the last row of each sequence; row j of sequence i is
+        token_lists[i][j] at position starts[i] + j with input hidden state hidden[row] (fused or the head's)."""
+        if hidden.shape[-1] != self.head.hidden_size:
+            hidden = self.head.fc(hidden)
+        hidden, n = hidden.float().contiguous(), len(token_lists)
+        lens = [len(tokens) for tokens in token_lists]
+        rows = torch.tensor([0, *itertools.accumulate(lens), *(t for ts in token_lists for t in ts),
+                             *(s + j for s, num in zip(starts, lens) for j in range(num))], dtype=torch.long)
+        row_start, tokens, positions = (rows.data_ptr() + 8 * offset for offset in (0, n + 1, n + 1 + len(hidden)))
+        tables = block_tables.contiguous()
+        hidden_out, logits = hidden.new_empty(n, self.head.hidden_size), hidden.new_empty(n, self.vocab_size)
+        status = self.fn(ctypes.byref(self.weights), ctypes.byref(self.shape(cache, tables)), ptr(cache),
+                         ctypes.c_int64(n), *map(ctypes.c_void_p, (row_start, tokens, positions)),
+                         *map(ptr, (hidden, tables, hidden_out, logits)), num_threads())
+        if status:
+            raise ValueError("the EAGLE-3 draft step's positions, tokens or block tables are out of range")
+        return hidden_out, logits
+
+    def shape(self, cache: torch.Tensor, tables: torch.Tensor) -> Shape:
+        key = (*cache.shape, tables.shape[1])
+        if key not in self.shapes:
+            config, attn = self.head.config, self.head.self_attn
+            self.shapes[key] = Shape(self.head.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                     config.intermediate_size, self.vocab_size, cache.shape[1], cache.shape[2],
+                                     tables.shape[1], self.tensors["cos"].shape[0], config.rms_norm_eps,
+                                     attn.head_dim ** -0.5)
+        return self.shapes[key]
