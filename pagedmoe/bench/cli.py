@@ -132,25 +132,27 @@ def _latency(args):
                               num_prompts=args.batch_size * num_batches)
     batches = [workload[i * args.batch_size:(i + 1) * args.batch_size] for i in range(num_batches)]
     results = _header("latency", args, batches[-1], counts) | {"batch_size": args.batch_size}
-    results["pagedmoe"] = bench_latency(llm, batches, args.num_iters_warmup, counts)
-    print(latency_lines(results["pagedmoe"]))
     if llm.engine.config.speculative_config is not None:
-        results |= _without_speculation(args, llm, batches, counts, results["pagedmoe"]["latency_mean_ms"])
+        results |= _with_and_without_speculation(args, llm, batches, counts)
+    else:
+        results["pagedmoe"] = bench_latency(llm, batches, args.num_iters_warmup, counts)
+        print(latency_lines(results["pagedmoe"]))
     write_json(results, args.output_json)
     return results
 
 
-def _without_speculation(args, llm, batches, counts, spec_latency_ms: float) -> dict:
-    """The same batches on the same engine without speculation, for the speed-up and the acceptance."""
-    from pagedmoe.bench.latency import bench_latency, spec_summary
+def _with_and_without_speculation(args, llm, batches, counts) -> dict:
+    """The batches alternating between the engine and the same engine without speculation, for the speed-up
+    and the acceptance."""
+    from pagedmoe.bench.latency import bench_latency_pair, spec_summary
     from pagedmoe.bench.report import latency_lines, spec_line
-    stats = llm.engine.get_stats().spec_decode
-    plain = _plain_llm(args)
-    result = {"pagedmoe-no-spec": bench_latency(plain, batches, args.num_iters_warmup, counts)}
-    print("without speculation:\n" + latency_lines(result["pagedmoe-no-spec"]))
+    result = dict(zip(("pagedmoe", "pagedmoe-no-spec"),
+                      bench_latency_pair(llm, _plain_llm(args), batches, args.num_iters_warmup, counts)))
+    print(latency_lines(result["pagedmoe"]) + "\nwithout speculation:\n" + latency_lines(result["pagedmoe-no-spec"]))
     num_tokens = sum(r.output_len for r in batches[-1])
-    result["spec_decode"] = spec_summary(stats, num_tokens / (spec_latency_ms / 1e3),
-                                         num_tokens / (result["pagedmoe-no-spec"]["latency_mean_ms"] / 1e3))
+    tok_s = {name: num_tokens / (result[name]["latency_mean_ms"] / 1e3) for name in result}
+    stats = llm.engine.get_stats().spec_decode
+    result["spec_decode"] = spec_summary(stats, tok_s["pagedmoe"], tok_s["pagedmoe-no-spec"])
     print(spec_line(result["spec_decode"]))
     return result
 

@@ -53,6 +53,20 @@ def bench_latency(llm: LLM, batches: list[list[BenchRequest]], num_warmup: int,
     return summarize(iterations, records)
 
 
+def bench_latency_pair(llm: LLM, plain: LLM, batches: list[list[BenchRequest]], num_warmup: int,
+                       counts: ModelFlops | None = None) -> tuple[dict, dict]:
+    """bench_latency of two engines with their batches alternating (each batch on llm, then on plain), so a
+    host whose speed drifts between minutes slows both alike; the two summaries."""
+    runs = {id(llm): ([], []), id(plain): ([], [])}
+    for index, batch in enumerate(tqdm(batches, desc="latency iterations (both engines)")):
+        for engine in (llm, plain):
+            elapsed, steps = run_batch(engine, batch, counts)
+            if index >= num_warmup:
+                runs[id(engine)][0].append(batch_figures(elapsed, steps))
+                runs[id(engine)][1].append(steps)
+    return summarize(*runs[id(llm)]), summarize(*runs[id(plain)])
+
+
 def summarize(iterations: list[dict], records: list[list[StepRecord]]) -> dict:
     splits = [split_prefill(steps) for steps in records]
     every = [r for steps in records for r in steps]

@@ -71,7 +71,7 @@ class DraftModelProposer:
     def propose(self, seqs: list, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Up to ks[i] drafts for seqs[i] (fewer where the draft's positions end), with the distributions
         they were sampled from when speculative_config.draft_sample_method is "probabilistic"."""
-        ks = [max(min(k, self.max_positions - len(seq) - 1), 0) for seq, k in zip(seqs, ks)]
+        ks = self.capped(seqs, ks)
         drafts = [([], []) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k]
         inputs = self.first_inputs([seqs[i] for i in live])
@@ -87,6 +87,10 @@ class DraftModelProposer:
                 live, tables, hidden = [live[j] for j in kept], tables[kept], hidden[kept]
             inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden, step + 1)
         return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
+
+    def capped(self, seqs, ks: list[int]) -> list[int]:
+        """The drafts each sequence can take before the draft's positions end."""
+        return [max(min(k, self.max_positions - len(seq) - 1), 0) for seq, k in zip(seqs, ks)]
 
     def first_inputs(self, seqs) -> DraftInputs:
         """The positions past the draft's KV, the whole prompt the first time; the last predicts draft 1."""

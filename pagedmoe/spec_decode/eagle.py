@@ -16,6 +16,7 @@ from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedmoe.spec_decode.draft_model import DraftInputs
 from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
+from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -98,10 +99,33 @@ class Eagle3Proposer(MTPProposer):
         self.fused = FusedEagleStep.of(self.model)
         self.setup(config)
 
+    def propose(self, seqs: list, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Greedy drafts of every step in one kernel call where it applies, else step by step (draft_model.py)."""
+        ks = self.capped(seqs, ks)
+        live = [i for i, k in enumerate(ks) if k]
+        live_seqs = [seqs[i] for i in live]
+        num_rows = sum(seq.num_computed_tokens - seq.num_drafter_tokens for seq in live_seqs)
+        if not live or not self._fuses(live_seqs, num_rows) or not self._drafts_greedily(live_seqs):
+            return super().propose(seqs, ks)
+        inputs, tables = self.first_inputs(live_seqs), pad_block_tables([seq.block_table for seq in live_seqs])
+        _, _, drafts = self.fused(self.kv_cache.device_cache[0], inputs.token_lists, inputs.starts, inputs.hidden,
+                                  tables, [ks[i] for i in live])
+        result = [([], None) for _ in seqs]
+        for i, ids in zip(live, drafts):
+            self.advance(seqs[i], 0)
+            result[i] = (ids, None)
+        return result
+
+    def _fuses(self, seqs, num_rows: int) -> bool:
+        return self.fused is not None and self.fused.fits(num_rows, self.kv_cache.device_cache[0])
+
+    def _drafts_greedily(self, seqs) -> bool:
+        return self.spec.draft_sample_method == "greedy" or all(s.params.temperature == 0 for s in seqs)
+
     def _step(self, seqs, inputs: DraftInputs, tables: torch.Tensor) -> tuple[list[int], list, torch.Tensor]:
-        """The step as one kernel call where it applies (fused_eagle.py), else through the head's modules."""
-        cache = self.kv_cache.device_cache[0]
-        if self.fused is None or not self.fused.fits(sum(map(len, inputs.token_lists)), cache):
+        """One step as one kernel call where it applies (sampled drafts), else through the head's modules."""
+        if not self._fuses(seqs, sum(map(len, inputs.token_lists))):
             return super()._step(seqs, inputs, tables)
-        hidden, logits = self.fused(cache, inputs.token_lists, inputs.starts, inputs.hidden, tables)
+        hidden, logits, _ = self.fused(self.kv_cache.device_cache[0], inputs.token_lists, inputs.starts,
+                                       inputs.hidden, tables)
         return *self._choose(logits, seqs), hidden

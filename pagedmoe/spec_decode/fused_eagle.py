@@ -39,7 +39,7 @@ def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL | 
     except RuntimeError as error:
         logger.warning("the EAGLE-3 draft step falls back to PyTorch: %s", error)
         return None
-    library.eagle3_step_f32.restype = ctypes.c_int
+    library.eagle3_draft_f32.restype = ctypes.c_int
     return library
 
 
@@ -61,7 +61,7 @@ def is_supported(head, tensors: dict[str, torch.Tensor]) -> bool:
 
 class FusedEagleStep:
     def __init__(self, head, tensors: dict[str, torch.Tensor], library: ctypes.CDLL):
-        self.head, self.fn, self.shapes = head, library.eagle3_step_f32, {}
+        self.head, self.fn, self.shapes = head, library.eagle3_draft_f32, {}
         self.tensors = tensors
         self.weights = Weights(*(self.tensors[name].data_ptr() for name in WEIGHTS))
         self.vocab_size = tensors["lm_head"].shape[0]
@@ -76,24 +76,29 @@ class FusedEagleStep:
         return enabled and num_rows <= MAX_ROWS and cache.dtype == torch.float32 and cache.is_contiguous()
 
     def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int], hidden: torch.Tensor,
-                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's output hidden state and logits at the last row of each sequence; row j of sequence i is
-        token_lists[i][j] at position starts[i] + j with input hidden state hidden[row] (fused or the head's)."""
+                 block_tables: torch.Tensor, num_drafts: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """Row j of sequence i is token_lists[i][j] at position starts[i] + j with input hidden state
+        hidden[row] (the target's fused states, or the head's own); after its last row, num_drafts[i] (default
+        1) greedy draft steps. Returns the last step's hidden state and logits per sequence, and the drafts."""
         if hidden.shape[-1] != self.head.hidden_size:
             hidden = self.head.fc(hidden)
         hidden, n = hidden.float().contiguous(), len(token_lists)
-        lens = [len(tokens) for tokens in token_lists]
+        lens, num_drafts = [len(tokens) for tokens in token_lists], num_drafts or [1] * n
         rows = torch.tensor([0, *itertools.accumulate(lens), *(t for ts in token_lists for t in ts),
-                             *(s + j for s, num in zip(starts, lens) for j in range(num))], dtype=torch.long)
-        row_start, tokens, positions = (rows.data_ptr() + 8 * offset for offset in (0, n + 1, n + 1 + len(hidden)))
-        tables = block_tables.contiguous()
+                             *(s + j for s, num in zip(starts, lens) for j in range(num)), *num_drafts],
+                            dtype=torch.long)
+        offsets = (0, n + 1, n + 1 + len(hidden), n + 1 + 2 * len(hidden))
+        row_start, tokens, positions, counts = (ctypes.c_void_p(rows.data_ptr() + 8 * o) for o in offsets)
+        tables, max_drafts = block_tables.contiguous(), max(num_drafts)
+        drafts = torch.empty(n, max_drafts, dtype=torch.long)
         hidden_out, logits = hidden.new_empty(n, self.head.hidden_size), hidden.new_empty(n, self.vocab_size)
         status = self.fn(ctypes.byref(self.weights), ctypes.byref(self.shape(cache, tables)), ptr(cache),
-                         ctypes.c_int64(n), *map(ctypes.c_void_p, (row_start, tokens, positions)),
-                         *map(ptr, (hidden, tables, hidden_out, logits)), num_threads())
+                         ctypes.c_int64(n), row_start, tokens, positions, ptr(hidden), ptr(tables), counts,
+                         ctypes.c_int64(max_drafts), *map(ptr, (drafts, hidden_out, logits)), num_threads())
         if status:
             raise ValueError("the EAGLE-3 draft step's positions, tokens or block tables are out of range")
-        return hidden_out, logits
+        return hidden_out, logits, [row[:k] for row, k in zip(drafts.tolist(), num_drafts)]
 
     def shape(self, cache: torch.Tensor, tables: torch.Tensor) -> Shape:
         key = (*cache.shape, tables.shape[1])

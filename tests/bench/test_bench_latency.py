@@ -80,7 +80,7 @@ def test_decode_steps_record_context_and_distinct_experts(tmp_path):
 
 
 def test_bench_latency_with_speculation_runs_the_same_batches_without_it(dense_model, tmp_path):
-    """--speculative-config: the batches again on the engine without speculation, in the same invocation;
+    """--speculative-config: the batches also on the engine without speculation, in the same invocation;
     a copy-heavy workload (--prompt-repeats) gives the drafts something to find; decode steps that verify
     drafts still count as decode steps."""
     out = tmp_path / "latency.json"
@@ -111,3 +111,15 @@ def test_prompt_repeats_builds_copy_heavy_prompts():
         assert r.prompt_token_ids[:3 * len(segment)] == segment * 3 and 10 <= len(r.prompt_token_ids) <= 12
     with pytest.raises(ValueError, match="prompt-repeats"):
         repeat_segments(workload, 0)
+
+
+def test_the_two_engines_alternate_batch_by_batch(monkeypatch):
+    """With and without speculation, each batch runs on both engines back to back (drift hits both alike);
+    warm-up batches are run but not counted."""
+    from pagedmoe.bench import latency
+    order = []
+    monkeypatch.setattr(latency, "run_batch", lambda engine, batch, counts: order.append((engine, batch)) or
+                        (0.5 if engine == "spec" else 1.0, []))
+    spec, plain = latency.bench_latency_pair("spec", "plain", ["b0", "b1", "b2"], num_warmup=1)
+    assert order == [(e, b) for b in ("b0", "b1", "b2") for e in ("spec", "plain")]
+    assert (spec["latency_count"], spec["latency_mean_ms"], plain["latency_mean_ms"]) == (2, 500.0, 1000.0)

@@ -113,10 +113,44 @@ def test_the_fused_step_is_the_heads_modules(head_dir, target):
     with torch.inference_mode():
         rows = drafter.model(ids, hidden, positions, meta)[torch.tensor([2, 3, 7])]
         want_logits = drafter.model.compute_logits(rows)
-        got_hidden, got_logits = fused(cache[0], token_lists, starts, hidden, tables)
+        got_hidden, got_logits, _ = fused(cache[0], token_lists, starts, hidden, tables)
     torch.testing.assert_close(got_hidden, rows, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_drafting_feeds_each_argmax_back(head_dir):
+    """Several greedy steps in one call are the same steps one call each, the argmax and the head's own
+    hidden state fed back at the next position."""
+    drafter = eagle_llm(*head_dir[:2]).engine.runner.drafter
+    token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=3)
+    cache, ks = drafter.kv_cache.device_cache, [3, 2, 1]
+    saved = cache.clone()
+    _, _, chained = drafter.fused(cache[0], token_lists, starts, hidden, tables, ks)
+    first_row = [0, 3, 4]
+    for i, k in enumerate(ks):
+        cache.copy_(saved)
+        rows = hidden[first_row[i]:first_row[i] + len(token_lists[i])]
+        out, _, drafts = drafter.fused(cache[0], [token_lists[i]], [starts[i]], rows, tables[i:i + 1])
+        for position in range(starts[i] + len(token_lists[i]), starts[i] + len(token_lists[i]) + k - 1):
+            out, _, step = drafter.fused(cache[0], [[drafts[0][-1]]], [position], out, tables[i:i + 1])
+            drafts[0] += step[0]
+        assert drafts[0] == chained[i] and len(chained[i]) == k
+
+
+def test_sampled_drafts_take_the_fused_step_one_step_a_call(head_dir, monkeypatch):
+    target_dir, head_path = head_dir[:2]
+    spec = {"method": "eagle3", "model": head_path, "num_speculative_tokens": K, "adaptive": False,
+            "draft_sample_method": "probabilistic"}
+    llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
+    fused, calls = llm.engine.runner.drafter.fused, []
+    kernel = fused.fn
+    monkeypatch.setattr(fused, "fn", lambda *args: calls.append(args[10].value) or kernel(*args))  # max_drafts
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts(2, seed=8)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_NEW] * 2
+    assert calls and set(calls) == {1} and llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert_all_blocks_free(llm.engine)
 
 
 def test_the_fused_step_refuses_rows_past_the_block_tables(head_dir):

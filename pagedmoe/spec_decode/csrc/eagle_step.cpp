@@ -1,10 +1,11 @@
-// One draft step of an EAGLE-3 head (spec_decode/eagle.py) in float32, every op of its decoder layer in one
-// call: at a head of hidden size 128 eager PyTorch spends ~1 ms a step dispatching ~40 small ops, this ~30 us
-// a row. Each row r (token, position, input hidden state; a sequence's rows in order) does
+// The draft steps of an EAGLE-3 head (spec_decode/eagle.py) in float32, every op of its decoder layer in one
+// call: at a head of hidden size 128 eager PyTorch spends ~0.6 ms a step dispatching ~40 small ops, this
+// ~50 us a row. Each row r (token, position, input hidden state; a sequence's rows in order) does
 //   a = [rms(embed[token]) * w_in ; rms(hidden) * w_hidden]; q, k, v = W_qkv a; neox RoPE of q, k;
 //   k, v into the row's KV slot; attention over positions 0..p of the sequence's blocks;
 //   x = hidden + W_o attn; x += W_down (silu(gate) * up) with [gate; up] = W_gate_up rms(x) * w_post
-// and the last row of each sequence writes x (the next draft's hidden state) and the logits W_lm rms(x) * w_norm.
+// and the last row of each sequence gives the logits W_lm rms(x) * w_norm; its argmax is the draft, which with
+// its x as the hidden state is the next step's one row, for as many drafts as asked (greedy drafting).
 // The KV cache is one layer's: [2 * num_kv_heads, num_blocks, block_size, head_dim], K heads then V heads.
 // Built and loaded by spec_decode/fused_eagle.py, which falls back to the PyTorch modules where it cannot be.
 #include <cmath>
@@ -91,10 +92,10 @@ void attend(const float *q, const float *cache, const int64_t *table, int64_t le
 }
 
 struct Scratch {
-    std::vector<float> a, qkv, attn, x, normed, gate_up, scores;
+    std::vector<float> a, qkv, attn, x, normed, gate_up, scores, carry;
     explicit Scratch(const Shape &s)
         : a(2 * s.hidden), qkv((s.num_heads + 2 * s.num_kv_heads) * s.head_dim), attn(s.num_heads * s.head_dim),
-          x(s.hidden), normed(s.hidden), gate_up(2 * s.intermediate), scores(s.max_positions) {}
+          x(s.hidden), normed(s.hidden), gate_up(2 * s.intermediate), scores(s.max_positions), carry(s.hidden) {}
 };
 
 // The attention half of row (token, position, hidden): KV written into its slot, x = hidden + W_o attn.
@@ -127,12 +128,14 @@ void mlp_row(const Weights &w, const Shape &s, Scratch &m) {
     for (int64_t i = 0; i < h; i++) m.x[i] += m.normed[i];
 }
 
-// Whether sequence seq's rows stay within its block table, the cache and the rotary tables.
+// Whether sequence seq's rows, and `extra` positions past its last, stay within its block table, the cache
+// and the rotary tables.
 bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions, const int64_t *tokens,
-              const int64_t *table, int64_t seq) {
+              const int64_t *table, int64_t seq, int64_t extra) {
+    if (row_start[seq] >= row_start[seq + 1]) return false;
     for (int64_t r = row_start[seq]; r < row_start[seq + 1]; r++) {
-        const int64_t p = positions[r];
-        if (p < 0 || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
+        const int64_t p = positions[r] + (r + 1 == row_start[seq + 1] ? extra : 0);
+        if (positions[r] < 0 || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
         if (tokens[r] < 0 || tokens[r] >= s.vocab) return false;
         for (int64_t b = 0; b <= p / s.block_size; b++)
             if (table[b] < 0 || table[b] >= s.num_blocks) return false;
@@ -140,29 +143,61 @@ bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions
     return true;
 }
 
+void head_logits(const Weights &w, const Shape &s, Scratch &m, float *logits) {
+    rms_norm(m.x.data(), w.norm, m.normed.data(), s.hidden, s.eps);
+    gemv(w.lm_head, m.normed.data(), logits, s.vocab, s.hidden);
+}
+
+int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argmax
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+// Sequence seq's rows, then num_drafts - 1 more steps, each feeding the last step's argmax back in at the
+// next position with the head's own output as its hidden state.
+void draft_seq(const Weights &w, const Shape &s, float *cache, const int64_t *table, const int64_t *tokens,
+               const int64_t *positions, const float *hidden, int64_t begin, int64_t end, int64_t num_drafts,
+               int64_t *drafts, float *logits, Scratch &m) {
+    for (int64_t r = begin; r < end; r++) {
+        attention_row(w, s, cache, table, tokens[r], positions[r], hidden + r * s.hidden, m);
+        mlp_row(w, s, m);
+    }
+    head_logits(w, s, m, logits);
+    for (int64_t j = 0; j < num_drafts; j++) {
+        drafts[j] = argmax(logits, s.vocab);
+        if (j + 1 == num_drafts) break;
+        m.carry = m.x;
+        attention_row(w, s, cache, table, drafts[j], positions[end - 1] + 1 + j, m.carry.data(), m);
+        mlp_row(w, s, m);
+        head_logits(w, s, m, logits);
+    }
+}
+
 }  // namespace
 
-// Returns 0, or 1 (having written nothing for that sequence) where a sequence's rows do not fit.
-extern "C" int eagle3_step_f32(const Weights *w, const Shape *s, float *cache, int64_t num_seqs,
-                               const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
-                               const float *hidden, const int64_t *block_tables, float *hidden_out,
-                               float *logits, int num_threads) {
+// num_drafts[seq] >= 1 steps for each sequence: its greedy drafts in drafts[seq * max_drafts + j], the last
+// step's hidden state and logits in hidden_out[seq] and logits[seq]. Returns 0, or 1 (having written nothing
+// for that sequence) where a sequence's positions do not fit.
+extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, int64_t num_seqs,
+                                const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
+                                const float *hidden, const int64_t *block_tables, const int64_t *num_drafts,
+                                int64_t max_drafts, int64_t *drafts, float *hidden_out, float *logits,
+                                int num_threads) {
     int status = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(max : status)
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t *table = block_tables + seq * s->max_blocks;
-        if (!rows_fit(*s, row_start, positions, tokens, table, seq)) {
+        if (num_drafts[seq] < 1 || num_drafts[seq] > max_drafts ||
+            !rows_fit(*s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1)) {
             status = 1;
             continue;
         }
         Scratch m(*s);
-        for (int64_t r = row_start[seq]; r < row_start[seq + 1]; r++) {
-            attention_row(*w, *s, cache, table, tokens[r], positions[r], hidden + r * s->hidden, m);
-            mlp_row(*w, *s, m);
-        }
+        draft_seq(*w, *s, cache, table, tokens, positions, hidden, row_start[seq], row_start[seq + 1],
+                  num_drafts[seq], drafts + seq * max_drafts, logits + seq * s->vocab, m);
         std::memcpy(hidden_out + seq * s->hidden, m.x.data(), sizeof(float) * s->hidden);
-        rms_norm(m.x.data(), w->norm, m.normed.data(), s->hidden, s->eps);
-        gemv(w->lm_head, m.normed.data(), logits + seq * s->vocab, s->vocab, s->hidden);
     }
     return status;
 }
