@@ -130,6 +130,9 @@ def _latency(args):
     num_batches = args.num_iters_warmup + args.num_iters
     workload = build_workload(args, llm.engine.config.hf_config.vocab_size, llm.get_tokenizer(),
                               num_prompts=args.batch_size * num_batches)
+    if len(workload) < args.batch_size * num_batches:
+        raise ValueError(f"--dataset: {len(workload)} usable rows, but --batch-size x (--num-iters-warmup + "
+                         f"--num-iters) needs {args.batch_size * num_batches}")
     batches = [workload[i * args.batch_size:(i + 1) * args.batch_size] for i in range(num_batches)]
     results = _header("latency", args, batches[-1], counts) | {"batch_size": args.batch_size}
     if llm.engine.config.speculative_config is not None:

@@ -1,14 +1,16 @@
 """Speculation only where it pays: per batch-size bucket, the measured seconds per emitted token of decode
-steps with drafts against steps without, each a moving average; the faster mode runs, and the other runs
-once now and then so that its estimate follows the workload: PROBE_EVERY steps after a change of mode, the
-gap doubling (up to MAX_PROBE_GAP) while the probes confirm the choice. The first step with drafts after
-steps without is not measured: its drafting also caught a draft model's KV up over the skipped positions, a
-cost of the switch, not of speculating; a probe of speculation therefore runs two steps. Outputs do not
-depend on the choice (verification is lossless), only speed does."""
+steps with drafts against steps without, each a ratio of decayed sums (seconds over tokens, so a step that
+emitted one token weighs a quarter of one that emitted four); the faster mode runs, and the other runs now
+and then so that its estimate follows the workload: PROBE_EVERY steps after a change of mode, the gap
+doubling (up to MAX_PROBE_GAP) while the probes confirm the choice. A probe of speculation runs
+SPEC_PROBE_STEPS steps, and its first step is measured with the drafter's catch-up over the positions
+skipped while plain (a real cost of switching, which grows with the batch). Outputs do not depend on the
+choice (verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
 PROBE_EVERY, MAX_PROBE_GAP = 16, 256
-SMOOTHING = 0.2  # weight of the newest step in the moving averages
+SPEC_PROBE_STEPS = 4  # a speculating step emits 1 to k + 1 tokens: one or two steps say little
+DECAY = 0.7  # what a mode's sums keep of their past at each step of that mode
 
 
 def bucket_of(batch_size: int) -> int:
@@ -17,23 +19,30 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass
 class Bucket:
-    seconds_per_token: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    num_measured: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     num_steps: int = 0
     faster: bool | None = None  # the mode last found faster
     probe_gap: int = PROBE_EVERY
     next_probe: int = PROBE_EVERY
     probe_left: int = 0  # further steps of the probe under way
 
-    def record(self, speculated: bool, seconds_per_token: float):
-        old = self.seconds_per_token[speculated]
-        self.seconds_per_token[speculated] = seconds_per_token if old is None else \
-            old + SMOOTHING * (seconds_per_token - old)
+    def record(self, speculated: bool, seconds: float, num_emitted: int):
+        self.seconds[speculated] = DECAY * self.seconds[speculated] + seconds
+        self.tokens[speculated] = DECAY * self.tokens[speculated] + num_emitted
+        self.num_measured[speculated] += 1
+
+    def seconds_per_token(self, speculated: bool) -> float | None:
+        tokens = self.tokens[speculated]
+        return self.seconds[speculated] / tokens if tokens else None
 
     def choice(self) -> bool:
-        """Measure both modes first, then the faster, with the slower probed at growing gaps."""
-        spec, plain = self.seconds_per_token[True], self.seconds_per_token[False]
-        if spec is None or plain is None:
-            return spec is None
+        """Measure both modes first (speculation for a probe's worth of steps), then the faster, with the
+        slower probed at growing gaps."""
+        if self.num_measured[True] < SPEC_PROBE_STEPS or not self.num_measured[False]:
+            return self.num_measured[True] < SPEC_PROBE_STEPS
+        spec, plain = self.seconds_per_token(True), self.seconds_per_token(False)
         faster = spec < plain
         if faster != self.faster:
             self.faster, self.probe_gap, self.next_probe = faster, PROBE_EVERY, self.num_steps + PROBE_EVERY
@@ -43,7 +52,7 @@ class Bucket:
         if self.num_steps < self.next_probe:
             return faster
         self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
-        self.next_probe, self.probe_left = self.num_steps + self.probe_gap, int(not faster)
+        self.next_probe, self.probe_left = self.num_steps + self.probe_gap, SPEC_PROBE_STEPS - 1 if not faster else 0
         return not faster
 
 
@@ -51,7 +60,6 @@ class AdaptiveSwitch:
     def __init__(self):
         self.buckets: dict[int, Bucket] = {}
         self.carried_s = 0.0  # the last step's drafting time, owed by the step that verifies the drafts
-        self.last_speculated = False
 
     def should_speculate(self, batch_size: int) -> bool:
         return self.buckets.setdefault(bucket_of(batch_size), Bucket()).choice()
@@ -60,11 +68,9 @@ class AdaptiveSwitch:
         """One decode step of batch_size sequences that emitted num_emitted tokens in step_s seconds, of
         which proposal_s went to drafting for the next step: that time is charged to the next step."""
         seconds, self.carried_s = step_s - proposal_s + self.carried_s, proposal_s
-        warm_up, self.last_speculated = speculated and not self.last_speculated, speculated
         if num_emitted > 0:
             bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
-            if not warm_up:
-                bucket.record(speculated, seconds / num_emitted)
+            bucket.record(speculated, seconds, num_emitted)
             bucket.num_steps += 1
 
 

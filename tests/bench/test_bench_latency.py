@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import transformers
@@ -123,3 +124,13 @@ def test_the_two_engines_alternate_batch_by_batch(monkeypatch):
     spec, plain = latency.bench_latency_pair("spec", "plain", ["b0", "b1", "b2"], num_warmup=1)
     assert order == [(e, b) for b in ("b0", "b1", "b2") for e in ("spec", "plain")]
     assert (spec["latency_count"], spec["latency_mean_ms"], plain["latency_mean_ms"]) == (2, 500.0, 1000.0)
+
+
+def test_a_dataset_too_short_for_the_batches_is_a_value_error(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"ROMEO {i}:"}, {"from": "gpt", "value": "Ay, me!"}]}
+            for i in range(3)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    bundled = str(Path(__file__).resolve().parents[2] / "models" / "pagedmoe-moe-default")
+    with pytest.raises(ValueError, match="--dataset: 3 usable rows.*needs 4"):
+        cli_main(["bench", "latency", "--model", bundled, "--dataset", str(tmp_path / "rows.json"),
+                  "--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "1"])

@@ -4,7 +4,8 @@ import pytest
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.spec_decode.adaptive import MAX_PROBE_GAP, PROBE_EVERY, AdaptiveSwitch, bucket_of
+from pagedmoe.spec_decode.adaptive import (DECAY, MAX_PROBE_GAP, PROBE_EVERY, SPEC_PROBE_STEPS, AdaptiveSwitch,
+                                           bucket_of)
 
 
 def test_buckets_are_powers_of_two():
@@ -21,22 +22,27 @@ def run_steps(switch: AdaptiveSwitch, batch_size: int, seconds: dict[bool, float
     return chosen
 
 
+FIRST = SPEC_PROBE_STEPS + 1  # the steps that measure both modes first
+
+
 def probe_steps(chosen: list[bool], mode: bool) -> list[int]:
-    """Where probes of `mode` start, after the first three steps (which measure both)."""
-    return [i for i in range(3, len(chosen)) if chosen[i] == mode and chosen[i - 1] != mode]
+    """Where probes of `mode` start, after the steps that measure both."""
+    return [i for i in range(FIRST, len(chosen)) if chosen[i] == mode and chosen[i - 1] != mode]
 
 
 def test_measures_both_then_keeps_the_faster_and_probes_the_other_ever_less():
-    """Speculation is measured from its second step on (the first after plain steps also paid the drafter's
-    catch-up), so it starts with two steps, and a probe of it runs two."""
+    """Speculation is measured over a probe's worth of steps (one step emits 1 to k + 1 tokens), plain over
+    one; then the faster runs and the other is probed at doubling gaps."""
     switch = AdaptiveSwitch()
     chosen = run_steps(switch, 4, {True: 0.01, False: 0.02}, 512)
-    assert chosen[:3] == [True, True, False]
+    assert chosen[:FIRST] == [True] * SPEC_PROBE_STEPS + [False]
     probes = probe_steps(chosen, False)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes[0] == 3 + PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_GAP
+    assert probes[0] == FIRST + PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_GAP
+    assert all(chosen[i + 1] for i in probes)  # a probe of plain decoding is one step
     slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, 512)  # at batch 64 drafts cost more than they give
-    assert all(slow[i:i + 2] == [True, True] for i in probe_steps(slow, True))
+    assert all(slow[i:i + SPEC_PROBE_STEPS + 1] == [True] * SPEC_PROBE_STEPS + [False]
+               for i in probe_steps(slow, True))
     assert len(probe_steps(slow, True)) == len(probes) < 512 // 50
     assert run_steps(switch, 5, {True: 0.01, False: 0.02}, 4)[-1]  # bucket 4-7 kept what it learned at 4
 
@@ -45,7 +51,7 @@ def test_follows_a_change_in_the_workload():
     switch = AdaptiveSwitch()
     run_steps(switch, 8, {True: 0.01, False: 0.02}, 2 * PROBE_EVERY)
     after = run_steps(switch, 8, {True: 0.05, False: 0.02}, 4 * PROBE_EVERY)
-    assert after[-PROBE_EVERY:].count(True) <= 2  # at most one probe (two steps)
+    assert after[-PROBE_EVERY:].count(True) <= SPEC_PROBE_STEPS  # at most one probe
 
 
 def test_the_engine_output_is_the_same_with_the_switch(dense_model):
@@ -61,12 +67,15 @@ def test_the_engine_output_is_the_same_with_the_switch(dense_model):
 
 
 def test_drafting_time_is_charged_to_the_step_that_verifies_the_drafts():
-    """A plain step that drafted for the next one keeps its own time; the step that verifies drafts pays for
-    them. The first verifying step after plain ones is not measured (its drafting caught the drafter up)."""
+    """A plain step that drafted for the next one keeps its own time; the step that verifies the drafts pays
+    for them (the first after plain steps too: its drafts' catch-up is a cost of switching). Each mode's
+    estimate is its decayed seconds over its decayed tokens."""
     switch = AdaptiveSwitch()
     switch.record(4, False, 0.05, 4, proposal_s=0.03)
     switch.record(4, True, 0.02, 8, proposal_s=0.01)
     bucket = switch.buckets[bucket_of(4)]
-    assert bucket.seconds_per_token[False] == pytest.approx(0.02 / 4) and bucket.seconds_per_token[True] is None
-    switch.record(4, True, 0.03, 8)
-    assert bucket.seconds_per_token[True] == pytest.approx((0.03 + 0.01) / 8)
+    assert bucket.seconds_per_token(False) == pytest.approx(0.02 / 4)
+    assert bucket.seconds_per_token(True) == pytest.approx((0.02 - 0.01 + 0.03) / 8)
+    switch.record(4, True, 0.05, 2)  # a step that emitted 2 tokens weighs a quarter of one that emitted 8
+    want = (DECAY * 0.04 + 0.05 + 0.01) / (DECAY * 8 + 2)
+    assert bucket.seconds_per_token(True) == pytest.approx(want)
