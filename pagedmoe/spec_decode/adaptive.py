@@ -1,15 +1,19 @@
 """Speculation only where it pays: per batch-size bucket, the measured seconds per emitted token of decode
 steps with drafts against steps without, each a ratio of decayed sums (seconds over tokens, so a step that
-emitted one token weighs a quarter of one that emitted four); the faster mode runs, and the other runs now
-and then so that its estimate follows the workload: PROBE_EVERY steps after a change of mode, the gap
-doubling (up to MAX_PROBE_GAP) while the probes confirm the choice. A probe of speculation runs
-SPEC_PROBE_STEPS steps, and its first step is measured with the drafter's catch-up over the positions
-skipped while plain (a real cost of switching, which grows with the batch). Outputs do not depend on the
-choice (verification is lossless), only speed does."""
+emitted one token weighs a quarter of one that emitted four); the faster mode runs (speculation only when
+MARGIN cheaper), and the other runs now and then so that its estimate follows the workload: PROBE_EVERY
+steps after a change of mode, the gap doubling (up to MAX_PROBE_GAP) while the probes confirm the choice.
+A probe of speculation covers SPEC_PROBE_SEQS sequence-steps (4 steps at batch 1, one from batch 4 on), and
+its first step is measured with the drafter's catch-up over the positions skipped while plain (a real cost
+of switching, which grows with the batch). A new bucket starts from its nearest neighbour's choice. Outputs
+do not depend on the choice (verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
 PROBE_EVERY, MAX_PROBE_GAP = 16, 256
-SPEC_PROBE_STEPS = 4  # a speculating step emits 1 to k + 1 tokens: one or two steps say little
+SPEC_PROBE_SEQS = 4  # a probe of speculation runs until this many sequence-steps: one step of one sequence
+#                     emits 1 to k + 1 tokens and says little; one step of 64 says enough
+MARGIN = 0.9  # speculation is chosen only when it is measured this much cheaper per token: switching to it
+#               costs the drafter's catch-up, which the measurement sees once per probe
 DECAY = 0.7  # what a mode's sums keep of their past at each step of that mode
 
 
@@ -23,6 +27,7 @@ class Bucket:
     tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
     num_measured: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     num_steps: int = 0
+    probe_steps: int = SPEC_PROBE_SEQS  # the steps of a probe of speculation
     faster: bool | None = None  # the mode last found faster
     probe_gap: int = PROBE_EVERY
     next_probe: int = PROBE_EVERY
@@ -38,12 +43,12 @@ class Bucket:
         return self.seconds[speculated] / tokens if tokens else None
 
     def choice(self) -> bool:
-        """Measure both modes first (speculation for a probe's worth of steps), then the faster, with the
-        slower probed at growing gaps."""
-        if self.num_measured[True] < SPEC_PROBE_STEPS or not self.num_measured[False]:
-            return self.num_measured[True] < SPEC_PROBE_STEPS
-        spec, plain = self.seconds_per_token(True), self.seconds_per_token(False)
-        faster = spec < plain
+        """Measure both modes first (speculation for a probe's worth of steps), unless the bucket started
+        from a neighbour's choice; then the faster, with the slower probed at growing gaps."""
+        measured = self.num_measured[True] >= self.probe_steps and self.num_measured[False] > 0
+        if not measured and self.faster is None:
+            return self.num_measured[True] < self.probe_steps
+        faster = self.seconds_per_token(True) < MARGIN * self.seconds_per_token(False) if measured else self.faster
         if faster != self.faster:
             self.faster, self.probe_gap, self.next_probe = faster, PROBE_EVERY, self.num_steps + PROBE_EVERY
         if self.probe_left:
@@ -52,8 +57,14 @@ class Bucket:
         if self.num_steps < self.next_probe:
             return faster
         self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
-        self.next_probe, self.probe_left = self.num_steps + self.probe_gap, SPEC_PROBE_STEPS - 1 if not faster else 0
+        self.next_probe, self.probe_left = self.num_steps + self.probe_gap, self.probe_steps - 1 if not faster else 0
         return not faster
+
+    def start_from(self, neighbour: "Bucket"):
+        """A new bucket takes a neighbour's choice and probes the other mode PROBE_EVERY steps on: a draining
+        batch crosses buckets quickly, and measuring speculation afresh in each would make the drafter catch
+        up over every sequence's whole context each time."""
+        self.faster = neighbour.faster
 
 
 class AdaptiveSwitch:
@@ -62,14 +73,23 @@ class AdaptiveSwitch:
         self.carried_s = 0.0  # the last step's drafting time, owed by the step that verifies the drafts
 
     def should_speculate(self, batch_size: int) -> bool:
-        return self.buckets.setdefault(bucket_of(batch_size), Bucket()).choice()
+        return self.bucket(batch_size).choice()
+
+    def bucket(self, batch_size: int) -> Bucket:
+        key = bucket_of(batch_size)
+        if key not in self.buckets:
+            self.buckets[key] = Bucket(probe_steps=-(-SPEC_PROBE_SEQS // (1 << (key - 1))))
+            decided = [k for k, b in self.buckets.items() if b.faster is not None]
+            if decided:
+                self.buckets[key].start_from(self.buckets[min(decided, key=lambda k: abs(k - key))])
+        return self.buckets[key]
 
     def record(self, batch_size: int, speculated: bool, step_s: float, num_emitted: int, proposal_s: float = 0.0):
         """One decode step of batch_size sequences that emitted num_emitted tokens in step_s seconds, of
         which proposal_s went to drafting for the next step: that time is charged to the next step."""
         seconds, self.carried_s = step_s - proposal_s + self.carried_s, proposal_s
         if num_emitted > 0:
-            bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+            bucket = self.bucket(batch_size)
             bucket.record(speculated, seconds, num_emitted)
             bucket.num_steps += 1
 

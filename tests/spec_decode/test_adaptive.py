@@ -4,7 +4,7 @@ import pytest
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.spec_decode.adaptive import (DECAY, MAX_PROBE_GAP, PROBE_EVERY, SPEC_PROBE_STEPS, AdaptiveSwitch,
+from pagedmoe.spec_decode.adaptive import (DECAY, MARGIN, MAX_PROBE_GAP, PROBE_EVERY, SPEC_PROBE_SEQS, AdaptiveSwitch,
                                            bucket_of)
 
 
@@ -22,7 +22,7 @@ def run_steps(switch: AdaptiveSwitch, batch_size: int, seconds: dict[bool, float
     return chosen
 
 
-FIRST = SPEC_PROBE_STEPS + 1  # the steps that measure both modes first
+FIRST = SPEC_PROBE_SEQS + 1  # the steps that measure both modes first, at batch 1
 
 
 def probe_steps(chosen: list[bool], mode: bool) -> list[int]:
@@ -31,27 +31,42 @@ def probe_steps(chosen: list[bool], mode: bool) -> list[int]:
 
 
 def test_measures_both_then_keeps_the_faster_and_probes_the_other_ever_less():
-    """Speculation is measured over a probe's worth of steps (one step emits 1 to k + 1 tokens), plain over
-    one; then the faster runs and the other is probed at doubling gaps."""
+    """Speculation is measured over a probe's worth of steps (at batch 1, SPEC_PROBE_SEQS: one step emits 1 to
+    k + 1 tokens), plain over one; then the faster runs and the other is probed at doubling gaps."""
     switch = AdaptiveSwitch()
-    chosen = run_steps(switch, 4, {True: 0.01, False: 0.02}, 512)
-    assert chosen[:FIRST] == [True] * SPEC_PROBE_STEPS + [False]
+    chosen = run_steps(switch, 1, {True: 0.01, False: 0.02}, 512)
+    assert chosen[:FIRST] == [True] * SPEC_PROBE_SEQS + [False]
     probes = probe_steps(chosen, False)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == FIRST + PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_GAP
     assert all(chosen[i + 1] for i in probes)  # a probe of plain decoding is one step
-    slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, 512)  # at batch 64 drafts cost more than they give
-    assert all(slow[i:i + SPEC_PROBE_STEPS + 1] == [True] * SPEC_PROBE_STEPS + [False]
-               for i in probe_steps(slow, True))
-    assert len(probe_steps(slow, True)) == len(probes) < 512 // 50
-    assert run_steps(switch, 5, {True: 0.01, False: 0.02}, 4)[-1]  # bucket 4-7 kept what it learned at 4
+    assert run_steps(switch, 1, {True: 0.01, False: 0.02}, 4)[-1]  # bucket 1 kept what it learned
+
+
+def test_a_new_bucket_starts_from_its_neighbours_choice():
+    """At batch 64 drafts cost more than they give; the bucket first keeps bucket 1's choice, probes plain
+    decoding PROBE_EVERY steps on, then keeps it and probes speculation ever less, one step at a time (64
+    sequences' drafts say enough)."""
+    switch = AdaptiveSwitch()
+    run_steps(switch, 1, {True: 0.01, False: 0.02}, 64)
+    slow = run_steps(switch, 64, {True: 0.05, False: 0.02}, 512)
+    assert slow[:PROBE_EVERY] == [True] * PROBE_EVERY and not slow[PROBE_EVERY]
+    spec_probes = [i for i in range(PROBE_EVERY + 1, len(slow)) if slow[i] and not slow[i - 1]]
+    assert all(slow[i:i + 2] == [True, False] for i in spec_probes)
+    assert 0 < len(spec_probes) < 512 // 50
+
+
+def test_speculation_must_be_cheaper_by_the_margin():
+    switch = AdaptiveSwitch()
+    close = run_steps(switch, 8, {True: 0.02 * (MARGIN + 1) / 2, False: 0.02}, 64)
+    assert close[:2] == [True, False] and close[-PROBE_EVERY:].count(True) <= 1
 
 
 def test_follows_a_change_in_the_workload():
     switch = AdaptiveSwitch()
     run_steps(switch, 8, {True: 0.01, False: 0.02}, 2 * PROBE_EVERY)
     after = run_steps(switch, 8, {True: 0.05, False: 0.02}, 4 * PROBE_EVERY)
-    assert after[-PROBE_EVERY:].count(True) <= SPEC_PROBE_STEPS  # at most one probe
+    assert after[-PROBE_EVERY:].count(True) <= SPEC_PROBE_SEQS  # at most one probe
 
 
 def test_the_engine_output_is_the_same_with_the_switch(dense_model):
