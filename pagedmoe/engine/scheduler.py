@@ -85,7 +85,7 @@ class Scheduler:
             self.num_preemptions["swap"] += 1
             return
         self.kv.free(seq)
-        seq.num_computed_tokens = seq.num_drafter_tokens = 0
+        seq.num_computed_tokens = seq.num_drafter_tokens = seq.drafter_start = 0
         seq.spec_hidden = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

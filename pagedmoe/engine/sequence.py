@@ -69,6 +69,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens for the next step: not committed, never hashed
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
         self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
+        self.drafter_start = 0  # EAGLE-3: the first of them its head attends (it skipped the ones before)
         self.spec_hidden: list[torch.Tensor] = []  # MTP / EAGLE: target hidden states of the positions from
         #                                              num_drafter_tokens on, one chunk per step (appends are O(1))
 
@@ -111,6 +112,7 @@ class Sequence:
         child.num_computed_tokens, child.status = self.num_computed_tokens, self.status
         child.block_hashes, child.num_cached_blocks = list(self.block_hashes), self.num_cached_blocks
         child.num_drafter_tokens, child.spec_hidden = self.num_drafter_tokens, list(self.spec_hidden)
+        child.drafter_start = self.drafter_start
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child

@@ -9,7 +9,7 @@ of switching, which grows with the batch). A new bucket starts from its nearest 
 do not depend on the choice (verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
-PROBE_EVERY, MAX_PROBE_GAP = 16, 256
+PROBE_EVERY, MAX_PROBE_GAP = 16, 1024
 SPEC_PROBE_SEQS = 4  # a probe of speculation runs until this many sequence-steps: one step of one sequence
 #                     emits 1 to k + 1 tokens and says little; one step of 64 says enough
 MARGIN = 0.9  # speculation is chosen only when it is measured this much cheaper per token: switching to it

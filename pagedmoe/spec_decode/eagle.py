@@ -14,12 +14,13 @@ from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedmoe.spec_decode.draft_model import DraftInputs
-from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
+from pagedmoe.spec_decode.fused_eagle import MAX_ROWS, FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16
 
 
 def vllm_aux_layers(num_layers: int) -> list[int]:
@@ -104,28 +105,47 @@ class Eagle3Proposer(MTPProposer):
         ks = self.capped(seqs, ks)
         live = [i for i, k in enumerate(ks) if k]
         live_seqs = [seqs[i] for i in live]
-        num_rows = sum(seq.num_computed_tokens - seq.num_drafter_tokens for seq in live_seqs)
-        if not live or not self._fuses(live_seqs, num_rows) or not self._drafts_greedily(live_seqs):
+        self._skip_far_behind(live_seqs)
+        if not live or not self._fuses(live_seqs) or not self._drafts_greedily(live_seqs):
             return super().propose(seqs, ks)
         inputs, tables = self.first_inputs(live_seqs), pad_block_tables([seq.block_table for seq in live_seqs])
         _, _, drafts = self.fused(self.kv_cache.device_cache[0], inputs.token_lists, inputs.starts, inputs.hidden,
-                                  tables, [ks[i] for i in live])
+                                  tables, [ks[i] for i in live], [seq.drafter_start for seq in live_seqs])
         result = [([], None) for _ in seqs]
         for i, ids in zip(live, drafts):
             self.advance(seqs[i], 0)
             result[i] = (ids, None)
         return result
 
-    def _fuses(self, seqs, num_rows: int) -> bool:
-        return self.fused is not None and self.fused.fits(num_rows, self.kv_cache.device_cache[0])
+    def _skip_far_behind(self, seqs):
+        """Where the head's KV is far behind (drafting was off, or a batch of new prompts), it catches up over
+        the last positions only, CATCH_UP_ROWS for the proposal in all (at least MIN_CATCH_UP a sequence), and
+        attends from there on: the catch-up over every sequence's whole context made turning speculation on
+        at batch 64 cost ~100 ms. Drafts only: verification keeps the output exact."""
+        if not seqs or not self._can_fuse():
+            return
+        limit = max(MIN_CATCH_UP, CATCH_UP_ROWS // len(seqs))
+        for seq in seqs:
+            if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
+                seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
+                seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+
+    def _can_fuse(self) -> bool:
+        return self.fused is not None and self.fused.fits(self.kv_cache.device_cache[0])
+
+    def _fuses(self, seqs) -> bool:
+        """The kernel for few rows, and always for a sequence that attends from a later position (which the
+        head's modules cannot)."""
+        num_rows = sum(max(seq.num_computed_tokens - seq.num_drafter_tokens, 1) for seq in seqs)
+        return self._can_fuse() and (num_rows <= MAX_ROWS or any(seq.drafter_start for seq in seqs))
 
     def _drafts_greedily(self, seqs) -> bool:
         return self.spec.draft_sample_method == "greedy" or all(s.params.temperature == 0 for s in seqs)
 
     def _step(self, seqs, inputs: DraftInputs, tables: torch.Tensor) -> tuple[list[int], list, torch.Tensor]:
         """One step as one kernel call where it applies (sampled drafts), else through the head's modules."""
-        if not self._fuses(seqs, sum(map(len, inputs.token_lists))):
+        if not self._fuses(seqs):
             return super()._step(seqs, inputs, tables)
         hidden, logits, _ = self.fused(self.kv_cache.device_cache[0], inputs.token_lists, inputs.starts,
-                                       inputs.hidden, tables)
+                                       inputs.hidden, tables, firsts=[seq.drafter_start for seq in seqs])
         return *self._choose(logits, seqs), hidden

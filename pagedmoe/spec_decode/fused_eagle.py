@@ -72,29 +72,30 @@ class FusedEagleStep:
         library = library or (load_library() if is_supported(head, tensors) else None)
         return cls(head, tensors, library) if library is not None and is_supported(head, tensors) else None
 
-    def fits(self, num_rows: int, cache: torch.Tensor) -> bool:
-        return enabled and num_rows <= MAX_ROWS and cache.dtype == torch.float32 and cache.is_contiguous()
+    def fits(self, cache: torch.Tensor) -> bool:
+        return enabled and cache.dtype == torch.float32 and cache.is_contiguous()
 
     def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int], hidden: torch.Tensor,
-                 block_tables: torch.Tensor, num_drafts: list[int] | None = None
+                 block_tables: torch.Tensor, num_drafts: list[int] | None = None, firsts: list[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Row j of sequence i is token_lists[i][j] at position starts[i] + j with input hidden state
         hidden[row] (the target's fused states, or the head's own); after its last row, num_drafts[i] (default
-        1) greedy draft steps. Returns the last step's hidden state and logits per sequence, and the drafts."""
+        1) greedy draft steps. Sequence i attends its positions from firsts[i] (default 0) on. Returns the
+        last step's hidden state and logits per sequence, and the drafts."""
         if hidden.shape[-1] != self.head.hidden_size:
             hidden = self.head.fc(hidden)
         hidden, n = hidden.float().contiguous(), len(token_lists)
         lens, num_drafts = [len(tokens) for tokens in token_lists], num_drafts or [1] * n
         rows = torch.tensor([0, *itertools.accumulate(lens), *(t for ts in token_lists for t in ts),
-                             *(s + j for s, num in zip(starts, lens) for j in range(num)), *num_drafts],
-                            dtype=torch.long)
-        offsets = (0, n + 1, n + 1 + len(hidden), n + 1 + 2 * len(hidden))
-        row_start, tokens, positions, counts = (ctypes.c_void_p(rows.data_ptr() + 8 * o) for o in offsets)
+                             *(s + j for s, num in zip(starts, lens) for j in range(num)), *num_drafts,
+                             *(firsts or [0] * n)], dtype=torch.long)
+        offsets = (0, n + 1, n + 1 + len(hidden), n + 1 + 2 * len(hidden), 2 * n + 1 + 2 * len(hidden))
+        row_start, tokens, positions, counts, first = (ctypes.c_void_p(rows.data_ptr() + 8 * o) for o in offsets)
         tables, max_drafts = block_tables.contiguous(), max(num_drafts)
         drafts = torch.empty(n, max_drafts, dtype=torch.long)
         hidden_out, logits = hidden.new_empty(n, self.head.hidden_size), hidden.new_empty(n, self.vocab_size)
         status = self.fn(ctypes.byref(self.weights), ctypes.byref(self.shape(cache, tables)), ptr(cache),
-                         ctypes.c_int64(n), row_start, tokens, positions, ptr(hidden), ptr(tables), counts,
+                         ctypes.c_int64(n), row_start, tokens, positions, first, ptr(hidden), ptr(tables), counts,
                          ctypes.c_int64(max_drafts), *map(ptr, (drafts, hidden_out, logits)), num_threads())
         if status:
             raise ValueError("the EAGLE-3 draft step's positions, tokens or block tables are out of range")

@@ -34,7 +34,7 @@ def test_measures_both_then_keeps_the_faster_and_probes_the_other_ever_less():
     """Speculation is measured over a probe's worth of steps (at batch 1, SPEC_PROBE_SEQS: one step emits 1 to
     k + 1 tokens), plain over one; then the faster runs and the other is probed at doubling gaps."""
     switch = AdaptiveSwitch()
-    chosen = run_steps(switch, 1, {True: 0.01, False: 0.02}, 512)
+    chosen = run_steps(switch, 1, {True: 0.01, False: 0.02}, 4 * MAX_PROBE_GAP)
     assert chosen[:FIRST] == [True] * SPEC_PROBE_SEQS + [False]
     probes = probe_steps(chosen, False)
     gaps = [b - a for a, b in zip(probes, probes[1:])]

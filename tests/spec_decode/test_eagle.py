@@ -12,7 +12,7 @@ from conftest import (CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, s
                       x86_targets)
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.layers.attention.metadata import Workspace
-from pagedmoe.spec_decode import fused_eagle
+from pagedmoe.spec_decode import eagle, fused_eagle
 from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
 from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target, target_features, train_eagle3
 from test_draft_model import record_proposals
@@ -56,8 +56,14 @@ def training_head_drafts(target, head, aux, token_ids: list[int], drafts: list[i
     return [int(target.get_output_embeddings()(head.norm(row)).argmax()) for row in rows]
 
 
+@pytest.fixture
+def whole_catch_up(monkeypatch):
+    """The head catches up over every position (as the training head attends), however far behind."""
+    monkeypatch.setattr(eagle, "CATCH_UP_ROWS", 1 << 30)
+
+
 @pytest.mark.parametrize("scenario", [*SCENARIOS, "prefix_hits"])
-def test_drafts_are_the_training_heads(head_dir, scenario):
+def test_drafts_are_the_training_heads(head_dir, scenario, whole_catch_up):
     target_dir, head_path, target, head, aux = head_dir
     prompts = make_prompts(5, seed=4, min_len=34, max_len=60)
     llm = eagle_llm(target_dir, head_path, **SCENARIOS.get(scenario, {}))
@@ -73,7 +79,7 @@ def test_drafts_are_the_training_heads(head_dir, scenario):
     assert_all_blocks_free(llm.engine)
 
 
-def test_drafts_through_the_heads_modules_where_the_fused_step_is_off(head_dir, monkeypatch):
+def test_drafts_through_the_heads_modules_where_the_fused_step_is_off(head_dir, monkeypatch, whole_catch_up):
     """The fallback: the same drafts (the training head's) through the head's PyTorch modules."""
     target_dir, head_path, target, head, aux = head_dir
     monkeypatch.setattr(fused_eagle, "enabled", False)
@@ -145,11 +151,49 @@ def test_sampled_drafts_take_the_fused_step_one_step_a_call(head_dir, monkeypatc
     llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
     fused, calls = llm.engine.runner.drafter.fused, []
     kernel = fused.fn
-    monkeypatch.setattr(fused, "fn", lambda *args: calls.append(args[10].value) or kernel(*args))  # max_drafts
+    monkeypatch.setattr(fused, "fn", lambda *args: calls.append(args[11].value) or kernel(*args))  # max_drafts
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts(2, seed=8)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_NEW] * 2
     assert calls and set(calls) == {1} and llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_positions_before_a_sequences_first_are_not_attended(head_dir):
+    """Each sequence attending from its first row on: whatever the head's KV holds before it, the result is
+    the head's modules' over the same rows at positions from 0 (RoPE attention sees only relative
+    positions); attending from 0 instead reads those positions (the check is not vacuous)."""
+    drafter = eagle_llm(*head_dir[:2]).engine.runner.drafter
+    token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=4)
+    cache = drafter.kv_cache.device_cache
+    for table, start in zip(tables, starts):  # positions 0 .. start - 1 of each sequence: anything
+        for position in range(start):
+            cache[0, :, table[position // 16], position % 16].normal_(0, 3)
+    shifted = torch.zeros_like(cache)
+    ids, positions, meta = prepare_inputs(token_lists, [0, 0, 0], tables.tolist(), 16, shifted,
+                                          Workspace(torch.float32, torch.device("cpu")))
+    with torch.inference_mode():
+        rows = drafter.model(ids, hidden, positions, meta)[torch.tensor([2, 3, 7])]
+        got_hidden, got_logits, _ = drafter.fused(cache[0], token_lists, starts, hidden, tables, firsts=starts)
+        from_0, _, _ = drafter.fused(cache[0], token_lists, starts, hidden, tables)
+    torch.testing.assert_close(got_hidden, rows, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_logits, drafter.model.compute_logits(rows), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(from_0[0], rows, atol=1e-2)
+
+
+def test_a_head_far_behind_catches_up_over_its_last_positions(head_dir, monkeypatch):
+    """Prompts longer than the catch-up allowance: the head attends from their last positions on, the
+    output is still exactly the target's greedy one, the drafts still get accepted, no block leaks."""
+    target_dir, head_path, target = head_dir[:3]
+    monkeypatch.setattr(eagle, "CATCH_UP_ROWS", 8)
+    llm = eagle_llm(target_dir, head_path)
+    firsts = []
+    propose = llm.engine.proposer.propose
+    monkeypatch.setattr(llm.engine.proposer, "propose", lambda seqs, ks: (
+        result := propose(seqs, ks), firsts.extend(s.drafter_start for s in seqs))[0])
+    prompts = make_prompts(3, seed=9, min_len=40, max_len=60)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert max(firsts) >= 40 - 16 and llm.engine.get_stats().spec_decode.num_accepted_tokens > 0
     assert_all_blocks_free(llm.engine)
 
 

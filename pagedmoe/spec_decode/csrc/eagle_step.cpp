@@ -64,8 +64,8 @@ const float *row_at(const float *head, const int64_t *table, int64_t t, const Sh
     return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
 }
 
-// out[h] = softmax(q[h] . K[0..len) * scale) V[0..len) for each query head, over one sequence's blocks.
-void attend(const float *q, const float *cache, const int64_t *table, int64_t len, const Shape &s,
+// out[h] = softmax(q[h] . K[first..len) * scale) V[first..len) for each query head, over one sequence's blocks.
+void attend(const float *q, const float *cache, const int64_t *table, int64_t first, int64_t len, const Shape &s,
             float *scores, float *out) {
     const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, dim = s.head_dim;
     const int64_t group = s.num_heads / s.num_kv_heads;
@@ -73,7 +73,7 @@ void attend(const float *q, const float *cache, const int64_t *table, int64_t le
         const float *k_head = cache + (h / group) * head_stride, *qh = q + h * dim;
         const float *v_head = cache + (s.num_kv_heads + h / group) * head_stride;
         float max = -INFINITY, sum = 0.0f, *acc = out + h * dim;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             const float *k = row_at(k_head, table, t, s);
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -81,9 +81,9 @@ void attend(const float *q, const float *cache, const int64_t *table, int64_t le
             scores[t] = dot * s.scale;
             max = std::fmax(max, scores[t]);
         }
-        for (int64_t t = 0; t < len; t++) sum += scores[t] = expf(scores[t] - max);
+        for (int64_t t = first; t < len; t++) sum += scores[t] = expf(scores[t] - max);
         std::memset(acc, 0, sizeof(float) * dim);
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             const float *v = row_at(v_head, table, t, s), p = scores[t] / sum;
 #pragma omp simd
             for (int64_t d = 0; d < dim; d++) acc[d] += p * v[d];
@@ -99,8 +99,8 @@ struct Scratch {
 };
 
 // The attention half of row (token, position, hidden): KV written into its slot, x = hidden + W_o attn.
-void attention_row(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t token,
-                   int64_t position, const float *hidden, Scratch &m) {
+void attention_row(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t first,
+                   int64_t token, int64_t position, const float *hidden, Scratch &m) {
     const int64_t h = s.hidden, q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     rms_norm(w.embed + token * h, w.input_norm, m.a.data(), h, s.eps);
     rms_norm(hidden, w.hidden_norm, m.a.data() + h, h, s.eps);
@@ -112,7 +112,7 @@ void attention_row(const Weights &w, const Shape &s, float *cache, const int64_t
     for (int64_t kv = 0; kv < 2 * s.num_kv_heads; kv++)
         std::memcpy(cache + kv * head_stride + slot * s.head_dim, m.qkv.data() + q_size + kv * s.head_dim,
                     sizeof(float) * s.head_dim);
-    attend(m.qkv.data(), cache, table, position + 1, s, m.scores.data(), m.attn.data());
+    attend(m.qkv.data(), cache, table, first, position + 1, s, m.scores.data(), m.attn.data());
     gemv(w.o, m.attn.data(), m.x.data(), h, q_size);
     for (int64_t i = 0; i < h; i++) m.x[i] += hidden[i];
 }
@@ -129,13 +129,13 @@ void mlp_row(const Weights &w, const Shape &s, Scratch &m) {
 }
 
 // Whether sequence seq's rows, and `extra` positions past its last, stay within its block table, the cache
-// and the rotary tables.
+// and the rotary tables, and at or past its first attended position.
 bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions, const int64_t *tokens,
-              const int64_t *table, int64_t seq, int64_t extra) {
-    if (row_start[seq] >= row_start[seq + 1]) return false;
+              const int64_t *table, int64_t seq, int64_t extra, int64_t first) {
+    if (row_start[seq] >= row_start[seq + 1] || first < 0) return false;
     for (int64_t r = row_start[seq]; r < row_start[seq + 1]; r++) {
         const int64_t p = positions[r] + (r + 1 == row_start[seq + 1] ? extra : 0);
-        if (positions[r] < 0 || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
+        if (positions[r] < first || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
         if (tokens[r] < 0 || tokens[r] >= s.vocab) return false;
         for (int64_t b = 0; b <= p / s.block_size; b++)
             if (table[b] < 0 || table[b] >= s.num_blocks) return false;
@@ -157,11 +157,11 @@ int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argm
 
 // Sequence seq's rows, then num_drafts - 1 more steps, each feeding the last step's argmax back in at the
 // next position with the head's own output as its hidden state.
-void draft_seq(const Weights &w, const Shape &s, float *cache, const int64_t *table, const int64_t *tokens,
-               const int64_t *positions, const float *hidden, int64_t begin, int64_t end, int64_t num_drafts,
-               int64_t *drafts, float *logits, Scratch &m) {
+void draft_seq(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t first,
+               const int64_t *tokens, const int64_t *positions, const float *hidden, int64_t begin, int64_t end,
+               int64_t num_drafts, int64_t *drafts, float *logits, Scratch &m) {
     for (int64_t r = begin; r < end; r++) {
-        attention_row(w, s, cache, table, tokens[r], positions[r], hidden + r * s.hidden, m);
+        attention_row(w, s, cache, table, first, tokens[r], positions[r], hidden + r * s.hidden, m);
         mlp_row(w, s, m);
     }
     head_logits(w, s, m, logits);
@@ -169,7 +169,7 @@ void draft_seq(const Weights &w, const Shape &s, float *cache, const int64_t *ta
         drafts[j] = argmax(logits, s.vocab);
         if (j + 1 == num_drafts) break;
         m.carry = m.x;
-        attention_row(w, s, cache, table, drafts[j], positions[end - 1] + 1 + j, m.carry.data(), m);
+        attention_row(w, s, cache, table, first, drafts[j], positions[end - 1] + 1 + j, m.carry.data(), m);
         mlp_row(w, s, m);
         head_logits(w, s, m, logits);
     }
@@ -177,25 +177,26 @@ void draft_seq(const Weights &w, const Shape &s, float *cache, const int64_t *ta
 
 }  // namespace
 
-// num_drafts[seq] >= 1 steps for each sequence: its greedy drafts in drafts[seq * max_drafts + j], the last
-// step's hidden state and logits in hidden_out[seq] and logits[seq]. Returns 0, or 1 (having written nothing
-// for that sequence) where a sequence's positions do not fit.
+// num_drafts[seq] >= 1 steps for each sequence, attending its positions from firsts[seq] on (the head's KV
+// before it is not kept): its greedy drafts in drafts[seq * max_drafts + j], the last step's hidden state and
+// logits in hidden_out[seq] and logits[seq]. Returns 0, or 1 (having written nothing for that sequence) where
+// a sequence's positions do not fit.
 extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, int64_t num_seqs,
                                 const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
-                                const float *hidden, const int64_t *block_tables, const int64_t *num_drafts,
-                                int64_t max_drafts, int64_t *drafts, float *hidden_out, float *logits,
-                                int num_threads) {
+                                const int64_t *firsts, const float *hidden, const int64_t *block_tables,
+                                const int64_t *num_drafts, int64_t max_drafts, int64_t *drafts, float *hidden_out,
+                                float *logits, int num_threads) {
     int status = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(max : status)
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t *table = block_tables + seq * s->max_blocks;
         if (num_drafts[seq] < 1 || num_drafts[seq] > max_drafts ||
-            !rows_fit(*s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1)) {
+            !rows_fit(*s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1, firsts[seq])) {
             status = 1;
             continue;
         }
         Scratch m(*s);
-        draft_seq(*w, *s, cache, table, tokens, positions, hidden, row_start[seq], row_start[seq + 1],
+        draft_seq(*w, *s, cache, table, firsts[seq], tokens, positions, hidden, row_start[seq], row_start[seq + 1],
                   num_drafts[seq], drafts + seq * max_drafts, logits + seq * s->vocab, m);
         std::memcpy(hidden_out + seq * s->hidden, m.x.data(), sizeof(float) * s->hidden);
     }
