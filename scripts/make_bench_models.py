@@ -7,7 +7,10 @@ writes OUT_DIR/qwen3-100m: a ~100M-parameter dense Qwen3-shaped model (hidden 76
 the same shape with each MLP replaced by 8 experts of intermediate 1024, top-2 (active expert parameters per
 token equal to the dense MLP's; ~280M total parameters, ~100M active). Each gets a word-level tokenizer, one token
 per id, so a server can stream text. OUT_DIR/qwen3-100m-bf16 holds the dense model's weights in bfloat16 (a
-bf16 checkpoint, for what `--dtype auto` picks on each CPU).
+bf16 checkpoint, for what `--dtype auto` picks on each CPU). For speculative decoding on the dense model:
+OUT_DIR/qwen3-100m-draft, a 2-layer Qwen3 of hidden 256 with its vocabulary, and OUT_DIR/qwen3-100m-eagle3, an
+EAGLE-3 head for it as `pagedmoe.train eagle3` exports one, untrained. Both have random weights, so their
+drafts are rarely accepted: they measure what drafting costs, and what the adaptive switch saves of it.
 """
 import os
 import sys
@@ -48,8 +51,26 @@ def save(config, path: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     print(f"{path}: {num_params / 1e6:.1f}M parameters")
 
 
+def draft_config() -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=None)
+
+
+def save_eagle3_head(target: str, path: str, seed: int = 0):
+    from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target
+    cfg = EagleConfig(target=target, out_dir=path, intermediate_size=2048, seed=seed)
+    model = load_target(target)
+    torch.manual_seed(seed)
+    head, aux = build_head(cfg, model)
+    export(cfg, head, aux, model, {})
+    print(f"{path}: EAGLE-3 head, {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters")
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/bench-models"
     save(qwen3_100m_config(), os.path.join(out, "qwen3-100m"))
     save(qwen3_moe_config(), os.path.join(out, "qwen3-moe-100m-active"))
     save(qwen3_100m_config(), os.path.join(out, "qwen3-100m-bf16"), dtype=torch.bfloat16)
+    save(draft_config(), os.path.join(out, "qwen3-100m-draft"), seed=1)
+    save_eagle3_head(os.path.join(out, "qwen3-100m"), os.path.join(out, "qwen3-100m-eagle3"))

@@ -156,6 +156,9 @@ def _with_and_without_speculation(args, llm, batches, counts) -> dict:
     tok_s = {name: num_tokens / (result[name]["latency_mean_ms"] / 1e3) for name in result}
     stats = llm.engine.get_stats().spec_decode
     result["spec_decode"] = spec_summary(stats, tok_s["pagedmoe"], tok_s["pagedmoe-no-spec"])
+    decode_s = {name: sum(it["decode_s"] for it in result[name]["iterations"]) for name in tok_s}
+    if decode_s["pagedmoe"] > 0:  # the steps after the prompts: the same tokens in both
+        result["spec_decode"]["decode_speedup"] = decode_s["pagedmoe-no-spec"] / decode_s["pagedmoe"]
     print(spec_line(result["spec_decode"]))
     return result
 

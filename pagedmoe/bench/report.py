@@ -75,8 +75,9 @@ def latency_lines(result: dict) -> str:
 
 
 def spec_line(spec: dict) -> str:
+    decode = f", decode phase {spec['decode_speedup']:.2f}x" if "decode_speedup" in spec else ""
     return (f"speculative decoding: {spec['spec_tok_s']:.1f} out tok/s against {spec['no_spec_tok_s']:.1f} without "
-            f"({spec['speedup']:.2f}x); mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+            f"({spec['speedup']:.2f}x{decode}); mean acceptance length {spec['mean_acceptance_length']:.2f}, "
             f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens accepted")
 
 

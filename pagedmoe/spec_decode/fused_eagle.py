@@ -1,8 +1,9 @@
-"""The EAGLE-3 head's draft step as one C++ call (csrc/eagle_step.cpp) for float32 heads on CPU: the head is
-one small decoder layer, so eager PyTorch spends its step dispatching ops (~1 ms, a third of the bundled
-target's whole decode step), which is what a draft must not cost. `FusedEagleStep.of(head, kv_cache)` is
-None where it does not apply (another dtype or device, biases, q/k norms, no compiler): the proposer then
-runs the head's modules, the reference the kernel is tested against."""
+"""The EAGLE-3 head's draft steps as one C++ call (csrc/eagle_step.cpp) for small float32 heads on CPU: the
+head is one small decoder layer, so eager PyTorch spends its step dispatching ops (~1 ms, a third of the
+bundled target's whole decode step), which is what a draft must not cost; greedy drafts chain every step of
+a proposal in the call. `FusedEagleStep.of(head)` is None where it does not apply (another dtype or device,
+biases, q/k norms, a head over MAX_WEIGHT_BYTES, no compiler): the proposer then runs the head's modules, the
+reference the kernel is tested against."""
 import ctypes
 import functools
 import itertools
@@ -17,6 +18,8 @@ from pagedmoe.layers.cpu_build import num_threads, ptr
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "eagle_step.cpp"
 MAX_ROWS = 32  # above this many rows a step's matmuls are cheaper as MKL GEMMs than as one GEMV per row
+MAX_WEIGHT_BYTES = 16 << 20  # larger heads stream their weights (a 32k-vocabulary LM head is ~100 MB): there
+#                              one core's GEMV loses to MKL on all cores, and dispatching ops costs little
 enabled = True  # False: always the head's PyTorch modules (tests compare the two)
 WEIGHTS = ("embed", "input_norm", "hidden_norm", "qkv", "o", "post_norm", "gate_up", "down", "norm", "lm_head",
            "cos", "sin")
@@ -55,8 +58,9 @@ def head_tensors(head) -> dict[str, torch.Tensor]:
 def is_supported(head, tensors: dict[str, torch.Tensor]) -> bool:
     attn = head.self_attn
     plain = attn.qk_norm is None and attn.clip_qkv is None and attn.qkv_proj.bias is None and attn.o_proj.bias is None
-    return plain and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                         for t in tensors.values())
+    num_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items() if name not in ("cos", "sin"))
+    on_cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors.values())
+    return plain and on_cpu and num_bytes <= MAX_WEIGHT_BYTES
 
 
 class FusedEagleStep:

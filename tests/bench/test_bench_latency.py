@@ -96,6 +96,8 @@ def test_bench_latency_with_speculation_runs_the_same_batches_without_it(dense_m
     mean = 1 + summary["num_accepted_tokens"] / summary["num_drafts"]
     assert summary["mean_acceptance_length"] == pytest.approx(mean)
     assert summary["speedup"] == pytest.approx(summary["spec_tok_s"] / summary["no_spec_tok_s"])
+    decode_s = {name: results[name]["iterations"][0]["decode_s"] for name in ("pagedmoe", "pagedmoe-no-spec")}
+    assert summary["decode_speedup"] == pytest.approx(decode_s["pagedmoe-no-spec"] / decode_s["pagedmoe"])
     steps = results["pagedmoe"]["steps"][0]
     assert sum(s["num_prefill_tokens"] for s in steps) == 2 * 24  # verifying drafts is decoding, not prefill
     decode_steps = [s for s in steps if s["num_prefill_tokens"] == 0]
