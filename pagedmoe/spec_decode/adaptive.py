@@ -3,15 +3,17 @@ steps with drafts against steps without, each a ratio of decayed sums (seconds o
 emitted one token weighs a quarter of one that emitted four); the faster mode runs (speculation only when
 MARGIN cheaper), and the other runs now and then so that its estimate follows the workload: PROBE_EVERY
 steps after a change of mode, the gap doubling (up to MAX_PROBE_GAP) while the probes confirm the choice.
-A probe of speculation covers SPEC_PROBE_SEQS sequence-steps (4 steps at batch 1, one from batch 4 on), and
+A probe of speculation covers SPEC_PROBE_SEQS sequence-steps in at most SPEC_PROBE_STEPS steps (4 steps up to
+batch 4, one from batch 16 on), and
 its first step is measured with the drafter's catch-up over the positions skipped while plain (a real cost
 of switching, which grows with the batch). A new bucket starts from its nearest neighbour's choice. Outputs
 do not depend on the choice (verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
 PROBE_EVERY, MAX_PROBE_GAP = 16, 1024
-SPEC_PROBE_SEQS = 4  # a probe of speculation runs until this many sequence-steps: one step of one sequence
-#                     emits 1 to k + 1 tokens and says little; one step of 64 says enough
+SPEC_PROBE_SEQS, SPEC_PROBE_STEPS = 16, 4  # a probe of speculation: this many sequence-steps, in at most this
+#  many steps. One step of one sequence emits 1 to k + 1 tokens and says little, one of 64 says enough; and
+#  its first step pays the drafter's catch-up, which a one-step probe at batch 4 mistook for speculation's cost
 MARGIN = 0.9  # speculation is chosen only when it is measured this much cheaper per token: switching to it
 #               costs the drafter's catch-up, which the measurement sees once per probe
 DECAY = 0.7  # what a mode's sums keep of their past at each step of that mode
@@ -27,7 +29,7 @@ class Bucket:
     tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
     num_measured: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     num_steps: int = 0
-    probe_steps: int = SPEC_PROBE_SEQS  # the steps of a probe of speculation
+    probe_steps: int = SPEC_PROBE_STEPS  # the steps of a probe of speculation
     faster: bool | None = None  # the mode last found faster
     probe_gap: int = PROBE_EVERY
     next_probe: int = PROBE_EVERY
@@ -78,7 +80,7 @@ class AdaptiveSwitch:
     def bucket(self, batch_size: int) -> Bucket:
         key = bucket_of(batch_size)
         if key not in self.buckets:
-            self.buckets[key] = Bucket(probe_steps=-(-SPEC_PROBE_SEQS // (1 << (key - 1))))
+            self.buckets[key] = Bucket(probe_steps=min(SPEC_PROBE_STEPS, -(-SPEC_PROBE_SEQS // (1 << (key - 1)))))
             decided = [k for k, b in self.buckets.items() if b.faster is not None]
             if decided:
                 self.buckets[key].start_from(self.buckets[min(decided, key=lambda k: abs(k - key))])

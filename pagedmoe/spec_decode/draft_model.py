@@ -12,6 +12,7 @@ import torch
 from pagedmoe.layers.attention.metadata import Workspace
 from pagedmoe.layers.sampler import exponential_noise, sampling_probs
 from pagedmoe.spec_decode.config import SpeculativeConfig
+from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedDraftModel
 from pagedmoe.worker.inputs import decode_inputs, pad_block_tables, prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
 from pagedmoe.worker.model_loader import prepare_model
@@ -29,6 +30,7 @@ class DraftInputs:
 class DraftModelProposer:
     uses_hidden_states = False  # whether the proposer reads the target's hidden states (seq.spec_hidden)
     aux_layers: tuple[int, ...] = ()  # the target layers whose input hidden states it reads (EAGLE-3)
+    dense_step: FusedDraftModel | None = None  # every greedy draft step as one kernel call (fused_drafters.py)
 
     def __init__(self, config, spec: SpeculativeConfig):
         self.spec = spec
@@ -39,6 +41,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf.vocab_size}) is not the "
                              f"target's ({target.vocab_size})")
         self.model = prepare_model(self.config)
+        self.dense_step = FusedDraftModel.of(self.model)
         self.setup(config)
 
     def setup(self, config):
@@ -72,6 +75,8 @@ class DraftModelProposer:
         """Up to ks[i] drafts for seqs[i] (fewer where the draft's positions end), with the distributions
         they were sampled from when speculative_config.draft_sample_method is "probabilistic"."""
         ks = self.capped(seqs, ks)
+        if self._fuses_dense(seqs, ks):
+            return self._propose_fused(seqs, ks)
         drafts = [([], []) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k]
         inputs = self.first_inputs([seqs[i] for i in live])
@@ -87,6 +92,28 @@ class DraftModelProposer:
                 live, tables, hidden = [live[j] for j in kept], tables[kept], hidden[kept]
             inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden, step + 1)
         return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
+
+    def _fuses_dense(self, seqs, ks: list[int]) -> bool:
+        live = [seq for seq, k in zip(seqs, ks) if k]
+        if self.dense_step is None or not live or not self.dense_step.fits(self.kv_cache.device_cache):
+            return False
+        num_rows = sum(len(seq) - seq.num_drafter_tokens for seq in live)
+        return num_rows <= MAX_ROWS and self._drafts_greedily(live)
+
+    def _propose_fused(self, seqs, ks: list[int]) -> list[tuple[list[int], None]]:
+        live = [i for i, k in enumerate(ks) if k]
+        inputs = self.first_inputs([seqs[i] for i in live])
+        tables = pad_block_tables([seqs[i].block_table for i in live])
+        _, drafts = self.dense_step(self.kv_cache.device_cache, inputs.token_lists, inputs.starts, tables,
+                                    [ks[i] for i in live])
+        result = [([], None) for _ in seqs]
+        for i, ids in zip(live, drafts):
+            self.advance(seqs[i], ks[i] - 1)  # the last draft's KV is not written
+            result[i] = (ids, None)
+        return result
+
+    def _drafts_greedily(self, seqs) -> bool:
+        return self.spec.draft_sample_method == "greedy" or all(s.params.temperature == 0 for s in seqs)
 
     def capped(self, seqs, ks: list[int]) -> list[int]:
         """The drafts each sequence can take before the draft's positions end."""

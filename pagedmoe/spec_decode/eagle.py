@@ -14,7 +14,7 @@ from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedmoe.spec_decode.draft_model import DraftInputs
-from pagedmoe.spec_decode.fused_eagle import MAX_ROWS, FusedEagleStep
+from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
@@ -138,9 +138,6 @@ class Eagle3Proposer(MTPProposer):
         head's modules cannot)."""
         num_rows = sum(max(seq.num_computed_tokens - seq.num_drafter_tokens, 1) for seq in seqs)
         return self._can_fuse() and (num_rows <= MAX_ROWS or any(seq.drafter_start for seq in seqs))
-
-    def _drafts_greedily(self, seqs) -> bool:
-        return self.spec.draft_sample_method == "greedy" or all(s.params.temperature == 0 for s in seqs)
 
     def _step(self, seqs, inputs: DraftInputs, tables: torch.Tensor) -> tuple[list[int], list, torch.Tensor]:
         """One step as one kernel call where it applies (sampled drafts), else through the head's modules."""

@@ -6,8 +6,11 @@ import pytest
 import torch
 import transformers
 
-from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config,
+                      x86_targets)
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.spec_decode import fused_drafters
+from pagedmoe.spec_decode.fused_drafters import FusedDraftModel
 from test_spec_decode_engine import (assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy,
                                      tiny_moe_config)
 
@@ -66,6 +69,26 @@ def test_drafts_are_the_draft_models_own_continuation(models, scenario):
     if scenario in ("recompute", "swap"):
         assert getattr(llm.engine.get_stats(), f"num_preemptions_{scenario}") > 0
     assert_drafts_accepted(llm)
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("target", [*x86_targets(), "off"])
+def test_the_fused_draft_steps_and_their_fallback(models, monkeypatch, target):
+    """Greedy drafts of every step in one kernel call (its AVX2 and AVX-512 builds), or with the kernel off
+    through the draft's modules: the draft's own HF continuation either way."""
+    target_dir, model, draft_dir, draft = models
+    monkeypatch.setattr(fused_drafters, "enabled", target != "off")
+    llm = draft_llm(target_dir, draft_dir)
+    drafter = llm.engine.runner.drafter
+    if target != "off":
+        drafter.dense_step = FusedDraftModel.of(drafter.model, fused_drafters.load_library(march=target))
+    kernel = drafter.dense_step.fn
+    kernel_calls = []
+    monkeypatch.setattr(drafter.dense_step, "fn", lambda *args: kernel_calls.append(1) or kernel(*args))
+    calls, prompts = record_proposals(llm), copy_prompts(4, seed=5)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+    assert_drafts_are_greedy_continuations(draft, calls)
+    assert bool(kernel_calls) == (target != "off")
     assert_all_blocks_free(llm.engine)
 
 

@@ -12,8 +12,8 @@ from conftest import (CORPUS, assert_all_blocks_free, hf_greedy, make_prompts, s
                       x86_targets)
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.layers.attention.metadata import Workspace
-from pagedmoe.spec_decode import eagle, fused_eagle
-from pagedmoe.spec_decode.fused_eagle import FusedEagleStep
+from pagedmoe.spec_decode import eagle, fused_drafters
+from pagedmoe.spec_decode.fused_drafters import FusedEagleStep
 from pagedmoe.train.eagle_train import EagleConfig, build_head, export, load_target, target_features, train_eagle3
 from test_draft_model import record_proposals
 from test_mtp import SCENARIOS
@@ -82,7 +82,7 @@ def test_drafts_are_the_training_heads(head_dir, scenario, whole_catch_up):
 def test_drafts_through_the_heads_modules_where_the_fused_step_is_off(head_dir, monkeypatch, whole_catch_up):
     """The fallback: the same drafts (the training head's) through the head's PyTorch modules."""
     target_dir, head_path, target, head, aux = head_dir
-    monkeypatch.setattr(fused_eagle, "enabled", False)
+    monkeypatch.setattr(fused_drafters, "enabled", False)
     llm = eagle_llm(target_dir, head_path)
     kernel_calls = []
     monkeypatch.setattr(llm.engine.runner.drafter.fused, "fn", lambda *args: kernel_calls.append(args))
@@ -110,7 +110,7 @@ def test_the_fused_step_is_the_heads_modules(head_dir, target):
     sequence's rows: each row's KV is in before the next row attends)."""
     llm = eagle_llm(*head_dir[:2])
     drafter = llm.engine.runner.drafter
-    fused = FusedEagleStep.of(drafter.model, fused_eagle.load_library(march=target))
+    fused = FusedEagleStep.of(drafter.model, fused_drafters.load_library(march=target))
     token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=1)
     cache = drafter.kv_cache.device_cache
     want_cache = cache.clone()

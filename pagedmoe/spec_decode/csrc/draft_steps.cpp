@@ -1,0 +1,275 @@
+// The greedy draft steps of a proposal in one call, in float32, every op of the drafter's layers fused: at
+// hidden size 128 eager PyTorch spends ~0.6 ms a layer dispatching ~40 small ops, this ~50 us a row.
+// Two drafters (spec_decode/fused_drafters.py):
+// - an EAGLE-3 head (spec_decode/eagle.py): row r (token, position, input hidden state) does
+//     a = [rms(embed[token]) * w_in ; rms(hidden) * w_hidden]; x = hidden + attention(a); x += mlp(x)
+// - a small dense Llama / Qwen3 draft model: row r (token, position) does x = embed[token], then per layer
+//     x += attention(rms(x) * w_in); x += mlp(x)
+// where attention(a) = W_o attend(q, k, v) with q, k, v = W_qkv a (per-head q / k RMSNorm where the layer has
+// them), neox RoPE, k and v into the row's KV slot, attention over the sequence's blocks from its first kept
+// position to p; mlp(x) = W_down (silu(gate) * up) with [gate; up] = W_gate_up rms(x) * w_post.
+// A sequence's rows run in order; the last gives the logits W_lm rms(x) * w_norm, whose argmax is the draft
+// and the next step's one row (for EAGLE-3 with x as its hidden state), for as many drafts as asked.
+// A layer's KV cache: [2 * num_kv_heads, num_blocks, block_size, head_dim], K heads then V heads.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Weights {  // an EAGLE-3 head's
+    const float *embed, *input_norm, *hidden_norm, *qkv, *o, *post_norm, *gate_up, *down, *norm, *lm_head;
+    const float *cos, *sin;  // [max_positions, head_dim]
+};
+
+struct Layer {  // a dense decoder layer's; q_norm and k_norm null where it has none
+    const float *input_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
+};
+
+struct Model {  // a dense draft model's
+    const Layer *layers;
+    int64_t num_layers, layer_stride;  // layer_stride: floats between two layers' KV caches
+    const float *embed, *norm, *lm_head, *cos, *sin;
+};
+
+struct Shape {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, num_blocks, block_size, max_blocks,
+        max_positions;
+    float eps, scale;
+};
+
+// y[o] = W[o] . x for a row-major [out, in] W. (Measured against an [in, out] axpy form with register
+// accumulators: no faster, both stream the weights from L2.)
+void gemv(const float *w, const float *x, float *y, int64_t out, int64_t in) {
+    for (int64_t o = 0; o < out; o++) {
+        const float *row = w + o * in;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < in; i++) dot += row[i] * x[i];
+        y[o] = dot;
+    }
+}
+
+// HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight.
+void rms_norm(const float *x, const float *weight, float *out, int64_t dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
+    const float inverse = 1.0f / std::sqrt(sum / float(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inverse);
+}
+
+// Neox rotary of `heads` heads at one position, in place.
+void rotate(float *x, int64_t heads, const float *cos, const float *sin, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (float *v = x; v < x + heads * head_dim; v += head_dim)
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+}
+
+const float *row_at(const float *head, const int64_t *table, int64_t t, const Shape &s) {
+    return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
+}
+
+// out[h] = softmax(q[h] . K[first..len) * scale) V[first..len) for each query head, over one sequence's blocks.
+void attend(const float *q, const float *cache, const int64_t *table, int64_t first, int64_t len, const Shape &s,
+            float *scores, float *out) {
+    const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, dim = s.head_dim;
+    const int64_t group = s.num_heads / s.num_kv_heads;
+    for (int64_t h = 0; h < s.num_heads; h++) {
+        const float *k_head = cache + (h / group) * head_stride, *qh = q + h * dim;
+        const float *v_head = cache + (s.num_kv_heads + h / group) * head_stride;
+        float max = -INFINITY, sum = 0.0f, *acc = out + h * dim;
+        for (int64_t t = first; t < len; t++) {
+            const float *k = row_at(k_head, table, t, s);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; d++) dot += qh[d] * k[d];
+            scores[t] = dot * s.scale;
+            max = std::fmax(max, scores[t]);
+        }
+        for (int64_t t = first; t < len; t++) sum += scores[t] = expf(scores[t] - max);
+        std::memset(acc, 0, sizeof(float) * dim);
+        for (int64_t t = first; t < len; t++) {
+            const float *v = row_at(v_head, table, t, s), p = scores[t] / sum;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) acc[d] += p * v[d];
+        }
+    }
+}
+
+struct Scratch {
+    std::vector<float> a, qkv, attn, x, normed, gate_up, scores, carry;
+    explicit Scratch(const Shape &s)
+        : a(2 * s.hidden), qkv((s.num_heads + 2 * s.num_kv_heads) * s.head_dim), attn(s.num_heads * s.head_dim),
+          x(s.hidden), normed(s.hidden), gate_up(2 * s.intermediate), scores(s.max_positions), carry(s.hidden) {}
+};
+
+// q, k, v = W_qkv a (in_dim wide), per-head q / k norms where the layer has them, RoPE at position, k and v
+// into its slot of the layer's cache, attention from first; m.normed = W_o attn.
+void attention(const Layer &l, const float *cos_table, const float *sin_table, const Shape &s, float *cache,
+               const int64_t *table, int64_t first, int64_t position, const float *a, int64_t in_dim, Scratch &m) {
+    const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+    gemv(l.qkv, a, m.qkv.data(), q_size + 2 * kv_size, in_dim);
+    float *q = m.qkv.data(), *k = q + q_size;
+    for (int64_t head = 0; l.q_norm && head < s.num_heads + s.num_kv_heads; head++) {  // in place
+        float *v = q + head * s.head_dim;
+        rms_norm(v, head < s.num_heads ? l.q_norm : l.k_norm, v, s.head_dim, s.eps);
+    }
+    rotate(q, s.num_heads + s.num_kv_heads, cos_table + position * s.head_dim, sin_table + position * s.head_dim,
+           s.head_dim);  // q heads then k heads
+    const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
+    const int64_t slot = table[position / s.block_size] * s.block_size + position % s.block_size;
+    for (int64_t kv = 0; kv < 2 * s.num_kv_heads; kv++)
+        std::memcpy(cache + kv * head_stride + slot * s.head_dim, k + kv * s.head_dim, sizeof(float) * s.head_dim);
+    attend(q, cache, table, first, position + 1, s, m.scores.data(), m.attn.data());
+    gemv(l.o, m.attn.data(), m.normed.data(), s.hidden, q_size);
+}
+
+// x += W_down (silu(gate) * up), in place.
+void mlp(const Layer &l, const Shape &s, Scratch &m) {
+    const int64_t h = s.hidden, inter = s.intermediate;
+    rms_norm(m.x.data(), l.post_norm, m.normed.data(), h, s.eps);
+    gemv(l.gate_up, m.normed.data(), m.gate_up.data(), 2 * inter, h);
+    float *act = m.gate_up.data();
+    for (int64_t i = 0; i < inter; i++) act[i] = act[i] / (1.0f + expf(-act[i])) * act[inter + i];
+    gemv(l.down, act, m.normed.data(), h, inter);
+    for (int64_t i = 0; i < h; i++) m.x[i] += m.normed[i];
+}
+
+Layer head_layer(const Weights &w) {
+    return {w.input_norm, w.qkv, nullptr, nullptr, w.o, w.post_norm, w.gate_up, w.down};
+}
+
+// An EAGLE-3 head's row: x = hidden + attention([rms(embed); rms(hidden)]), then the MLP.
+void eagle_row(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t first, int64_t token,
+               int64_t position, const float *hidden, Scratch &m) {
+    const int64_t h = s.hidden;
+    rms_norm(w.embed + token * h, w.input_norm, m.a.data(), h, s.eps);
+    rms_norm(hidden, w.hidden_norm, m.a.data() + h, h, s.eps);
+    const Layer layer = head_layer(w);
+    attention(layer, w.cos, w.sin, s, cache, table, first, position, m.a.data(), 2 * h, m);
+    for (int64_t i = 0; i < h; i++) m.x[i] = hidden[i] + m.normed[i];
+    mlp(layer, s, m);
+}
+
+// A dense draft model's row through all its layers, each with its own KV cache.
+void dense_row(const Model &d, const Shape &s, float *cache, const int64_t *table, int64_t token, int64_t position,
+               Scratch &m) {
+    std::memcpy(m.x.data(), d.embed + token * s.hidden, sizeof(float) * s.hidden);
+    for (int64_t l = 0; l < d.num_layers; l++) {
+        rms_norm(m.x.data(), d.layers[l].input_norm, m.a.data(), s.hidden, s.eps);
+        attention(d.layers[l], d.cos, d.sin, s, cache + l * d.layer_stride, table, 0, position, m.a.data(), s.hidden,
+                  m);
+        for (int64_t i = 0; i < s.hidden; i++) m.x[i] += m.normed[i];
+        mlp(d.layers[l], s, m);
+    }
+}
+
+// Whether sequence seq's rows, and `extra` positions past its last, stay within its block table, the cache
+// and the rotary tables, and at or past its first attended position.
+bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions, const int64_t *tokens,
+              const int64_t *table, int64_t seq, int64_t extra, int64_t first) {
+    if (row_start[seq] >= row_start[seq + 1] || first < 0) return false;
+    for (int64_t r = row_start[seq]; r < row_start[seq + 1]; r++) {
+        const int64_t p = positions[r] + (r + 1 == row_start[seq + 1] ? extra : 0);
+        if (positions[r] < first || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
+        if (tokens[r] < 0 || tokens[r] >= s.vocab) return false;
+        for (int64_t b = 0; b <= p / s.block_size; b++)
+            if (table[b] < 0 || table[b] >= s.num_blocks) return false;
+    }
+    return true;
+}
+
+void head_logits(const float *norm, const float *lm_head, const Shape &s, Scratch &m, float *logits) {
+    rms_norm(m.x.data(), norm, m.normed.data(), s.hidden, s.eps);
+    gemv(lm_head, m.normed.data(), logits, s.vocab, s.hidden);
+}
+
+int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argmax
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+// A sequence's rows [begin, end) through row(token, position, r), then num_drafts - 1 more steps, each feeding
+// the last step's argmax back in at the next position (r = -1).
+template <typename Row>
+void draft_seq(const float *norm, const float *lm_head, const Shape &s, const int64_t *tokens,
+               const int64_t *positions, int64_t begin, int64_t end, int64_t num_drafts, int64_t *drafts,
+               float *logits, Scratch &m, Row row) {
+    for (int64_t r = begin; r < end; r++) row(tokens[r], positions[r], r);
+    head_logits(norm, lm_head, s, m, logits);
+    for (int64_t j = 0; j < num_drafts; j++) {
+        drafts[j] = argmax(logits, s.vocab);
+        if (j + 1 == num_drafts) break;
+        row(drafts[j], positions[end - 1] + 1 + j, -1);
+        head_logits(norm, lm_head, s, m, logits);
+    }
+}
+
+// Runs fn(seq, scratch) for every sequence whose rows fit (1 if one does not), a sequence per thread.
+template <typename Fn>
+int each_seq(const Shape &s, int64_t num_seqs, const int64_t *row_start, const int64_t *tokens,
+             const int64_t *positions, const int64_t *firsts, const int64_t *block_tables,
+             const int64_t *num_drafts, int64_t max_drafts, int num_threads, Fn fn) {
+    int status = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(max : status)
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        const int64_t *table = block_tables + seq * s.max_blocks;
+        if (num_drafts[seq] < 1 || num_drafts[seq] > max_drafts ||
+            !rows_fit(s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1, firsts[seq])) {
+            status = 1;
+            continue;
+        }
+        Scratch m(s);
+        fn(seq, table, m);
+    }
+    return status;
+}
+
+}  // namespace
+
+// num_drafts[seq] >= 1 steps for each sequence, attending its positions from firsts[seq] on (the head's KV
+// before it is not kept): its greedy drafts in drafts[seq * max_drafts + j], the last step's hidden state and
+// logits in hidden_out[seq] and logits[seq]. Returns 0, or 1 (having written nothing for that sequence) where
+// a sequence's positions do not fit.
+extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, int64_t num_seqs,
+                                const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
+                                const int64_t *firsts, const float *hidden, const int64_t *block_tables,
+                                const int64_t *num_drafts, int64_t max_drafts, int64_t *drafts, float *hidden_out,
+                                float *logits, int num_threads) {
+    return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
+                    num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
+        const auto row = [&](int64_t token, int64_t position, int64_t r) {
+            if (r < 0) m.carry = m.x;  // a chained step: the head's own output is its hidden state
+            eagle_row(*w, *s, cache, table, firsts[seq], token, position,
+                      r < 0 ? m.carry.data() : hidden + r * s->hidden, m);
+        };
+        draft_seq(w->norm, w->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1], num_drafts[seq],
+                  drafts + seq * max_drafts, logits + seq * s->vocab, m, row);
+        std::memcpy(hidden_out + seq * s->hidden, m.x.data(), sizeof(float) * s->hidden);
+    });
+}
+
+// The same for a dense draft model (every sequence attends from position 0), its caches layer_stride apart.
+extern "C" int dense_draft_f32(const Model *d, const Shape *s, float *cache, int64_t num_seqs,
+                               const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
+                               const int64_t *firsts, const int64_t *block_tables, const int64_t *num_drafts,
+                               int64_t max_drafts, int64_t *drafts, float *logits, int num_threads) {
+    return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
+                    num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
+        const auto row = [&](int64_t token, int64_t position, int64_t) {
+            dense_row(*d, *s, cache, table, token, position, m);
+        };
+        draft_seq(d->norm, d->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1], num_drafts[seq],
+                  drafts + seq * max_drafts, logits + seq * s->vocab, m, row);
+    });
+}
