@@ -106,9 +106,13 @@ class DraftModelProposer:
         tables = pad_block_tables([seqs[i].block_table for i in live])
         _, drafts = self.dense_step(self.kv_cache.device_cache, inputs.token_lists, inputs.starts, tables,
                                     [ks[i] for i in live])
+        return self.take_drafts(seqs, live, drafts, [ks[i] - 1 for i in live])  # the last draft's KV is unwritten
+
+    def take_drafts(self, seqs, live: list[int], drafts: list[list[int]], steps: list[int]) -> list:
+        """A kernel's greedy drafts for seqs[live[j]], its draft state advanced as after step steps[j]."""
         result = [([], None) for _ in seqs]
-        for i, ids in zip(live, drafts):
-            self.advance(seqs[i], ks[i] - 1)  # the last draft's KV is not written
+        for i, ids, step in zip(live, drafts, steps):
+            self.advance(seqs[i], step)
             result[i] = (ids, None)
         return result
 

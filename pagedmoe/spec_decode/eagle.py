@@ -111,11 +111,7 @@ class Eagle3Proposer(MTPProposer):
         inputs, tables = self.first_inputs(live_seqs), pad_block_tables([seq.block_table for seq in live_seqs])
         _, _, drafts = self.fused(self.kv_cache.device_cache[0], inputs.token_lists, inputs.starts, inputs.hidden,
                                   tables, [ks[i] for i in live], [seq.drafter_start for seq in live_seqs])
-        result = [([], None) for _ in seqs]
-        for i, ids in zip(live, drafts):
-            self.advance(seqs[i], 0)
-            result[i] = (ids, None)
-        return result
+        return self.take_drafts(seqs, live, drafts, [0] * len(live))
 
     def _skip_far_behind(self, seqs):
         """Where the head's KV is far behind (drafting was off, or a batch of new prompts), it catches up over

@@ -59,13 +59,6 @@ def pack_rows(token_lists: list[list[int]], starts: list[int], num_drafts: list[
     return rows, *(ctypes.c_void_p(rows.data_ptr() + 8 * o) for o in offsets)
 
 
-def make_shape(config, attn, vocab_size: int, cache: torch.Tensor, tables: torch.Tensor) -> Shape:
-    """cache: one layer's, [2 * kv_heads, num_blocks, block_size, head_dim]."""
-    return Shape(config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.intermediate_size,
-                 vocab_size, cache.shape[1], cache.shape[2], tables.shape[1], attn.rotary.cos.shape[0],
-                 config.rms_norm_eps, attn.head_dim ** -0.5)
-
-
 def head_tensors(head) -> dict[str, torch.Tensor]:
     attn, target = head.self_attn, head.target[0]
     return {"embed": target.embed_tokens.weight, "input_norm": head.input_layernorm.weight,
@@ -88,10 +81,30 @@ def is_supported(head, tensors: dict[str, torch.Tensor]) -> bool:
     return plain and supported_tensors(weights) and supported_tensors([tensors["cos"], tensors["sin"]])
 
 
-class FusedEagleStep:
+class FusedDrafter:
+    """What both kernels' wrappers share: config, attn (a layer's attention) and vocab_size are set by each."""
+    config = attn = vocab_size = None
+    shapes: dict
+
+    def fits(self, cache: torch.Tensor) -> bool:
+        return enabled and cache.dtype == torch.float32 and cache.is_contiguous()
+
+    def shape(self, layer_cache: torch.Tensor, tables: torch.Tensor) -> Shape:
+        """layer_cache: one layer's, [2 * kv_heads, num_blocks, block_size, head_dim]."""
+        key = (*layer_cache.shape, tables.shape[1])
+        if key not in self.shapes:
+            config, attn = self.config, self.attn
+            self.shapes[key] = Shape(config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                     config.intermediate_size, self.vocab_size, layer_cache.shape[1],
+                                     layer_cache.shape[2], tables.shape[1], attn.rotary.cos.shape[0],
+                                     config.rms_norm_eps, attn.head_dim ** -0.5)
+        return self.shapes[key]
+
+
+class FusedEagleStep(FusedDrafter):
     def __init__(self, head, tensors: dict[str, torch.Tensor], library: ctypes.CDLL):
         self.head, self.fn, self.shapes = head, library.eagle3_draft_f32, {}
-        self.tensors = tensors
+        self.config, self.attn, self.tensors = head.config, head.self_attn, tensors
         self.weights = Weights(*(self.tensors[name].data_ptr() for name in WEIGHTS))
         self.vocab_size = tensors["lm_head"].shape[0]
 
@@ -100,9 +113,6 @@ class FusedEagleStep:
         tensors = head_tensors(head)
         library = library or (load_library() if is_supported(head, tensors) else None)
         return cls(head, tensors, library) if library is not None and is_supported(head, tensors) else None
-
-    def fits(self, cache: torch.Tensor) -> bool:
-        return enabled and cache.dtype == torch.float32 and cache.is_contiguous()
 
     def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int], hidden: torch.Tensor,
                  block_tables: torch.Tensor, num_drafts: list[int] | None = None, firsts: list[int] | None = None
@@ -115,7 +125,8 @@ class FusedEagleStep:
             hidden = self.head.fc(hidden)
         hidden, n = hidden.float().contiguous(), len(token_lists)
         num_drafts = num_drafts or [1] * n
-        rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts, firsts or [0] * n)
+        firsts = firsts or [0] * n
+        rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts, firsts)
         tables, max_drafts = block_tables.contiguous(), max(num_drafts)
         drafts = torch.empty(n, max_drafts, dtype=torch.long)
         hidden_out, logits = hidden.new_empty(n, self.head.hidden_size), hidden.new_empty(n, self.vocab_size)
@@ -125,12 +136,6 @@ class FusedEagleStep:
         if status:
             raise ValueError("the EAGLE-3 draft step's positions, tokens or block tables are out of range")
         return hidden_out, logits, [row[:k] for row, k in zip(drafts.tolist(), num_drafts)]
-
-    def shape(self, cache: torch.Tensor, tables: torch.Tensor) -> Shape:
-        key = (*cache.shape, tables.shape[1])
-        if key not in self.shapes:
-            self.shapes[key] = make_shape(self.head.config, self.head.self_attn, self.vocab_size, cache, tables)
-        return self.shapes[key]
 
 
 class Layer(ctypes.Structure):
@@ -169,12 +174,15 @@ def is_plain_dense(model) -> bool:
     return True
 
 
-class FusedDraftModel:
+class FusedDraftModel(FusedDrafter):
     def __init__(self, model, tensors: list[dict], library: ctypes.CDLL):
         self.model, self.fn, self.tensors, self.shapes = model, library.dense_draft_f32, tensors, {}
+        self.config, self.attn = model.config, model.layers[0].self_attn
         self.layers = (Layer * len(model.layers))(*(Layer(*(ptr(t[name]).value for name in LAYER_WEIGHTS))
                                                     for t in tensors))
         self.vocab_size = model.lm_head.weight.shape[0]
+        shared = (model.embed_tokens.weight, model.norm.weight, model.lm_head.weight, *self.attn.rotary.float_tables())
+        self.struct = Model(ctypes.addressof(self.layers), len(model.layers), 0, *(ptr(t).value for t in shared))
 
     @classmethod
     def of(cls, model, library: ctypes.CDLL | None = None) -> "FusedDraftModel | None":
@@ -188,30 +196,18 @@ class FusedDraftModel:
         library = library or load_library()
         return cls(model, tensors, library) if library is not None else None
 
-    def fits(self, cache: torch.Tensor) -> bool:
-        return enabled and cache.dtype == torch.float32 and cache.is_contiguous()
-
     def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int],
                  block_tables: torch.Tensor, num_drafts: list[int]) -> tuple[torch.Tensor, list[list[int]]]:
         """Sequence i's tokens token_lists[i] at positions starts[i]... through every layer (cache: all the
         draft's layers), then num_drafts[i] greedy draft steps: the last step's logits and the drafts."""
-        n, rotary = len(token_lists), self.model.layers[0].self_attn.rotary
+        n = len(token_lists)
         rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts, [0] * n)
         tables, max_drafts = block_tables.contiguous(), max(num_drafts)
         drafts, logits = torch.empty(n, max_drafts, dtype=torch.long), torch.empty(n, self.vocab_size)
-        model = Model(ctypes.addressof(self.layers), len(self.model.layers), cache.stride(0),
-                      *(ptr(t).value for t in (self.model.embed_tokens.weight, self.model.norm.weight,
-                                               self.model.lm_head.weight, *rotary.float_tables())))
-        status = self.fn(ctypes.byref(model), ctypes.byref(self.shape(cache, tables)), ptr(cache), ctypes.c_int64(n),
-                         row_start, tokens, positions, first, ptr(tables), counts, ctypes.c_int64(max_drafts),
-                         ptr(drafts), ptr(logits), num_threads())
+        self.struct.layer_stride = cache.stride(0)
+        status = self.fn(ctypes.byref(self.struct), ctypes.byref(self.shape(cache[0], tables)), ptr(cache),
+                         ctypes.c_int64(n), row_start, tokens, positions, first, ptr(tables), counts,
+                         ctypes.c_int64(max_drafts), ptr(drafts), ptr(logits), num_threads())
         if status:
             raise ValueError("the draft model's positions, tokens or block tables are out of range")
         return logits, [row[:k] for row, k in zip(drafts.tolist(), num_drafts)]
-
-    def shape(self, cache: torch.Tensor, tables: torch.Tensor) -> Shape:
-        key = (*cache.shape, tables.shape[1])
-        if key not in self.shapes:
-            attn = self.model.layers[0].self_attn
-            self.shapes[key] = make_shape(self.model.config, attn, self.vocab_size, cache[0], tables)
-        return self.shapes[key]
