@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import x86_targets
 from pagedmoe.layers import cpu_ops
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.rotary import RotaryEmbedding
@@ -26,6 +27,21 @@ def test_rms_norm_matches_eager_on_rows_and_head_views(monkeypatch, dtype):
         for inputs in (x[:, :64].contiguous(), x.view(5, 3, 64)[:, 1:]):  # Qwen3's per-head norms: a view
             assert cpu_ops.rms_norm(inputs, norm.weight, norm.eps) is not None
             torch.testing.assert_close(norm(inputs), eager(monkeypatch, norm, inputs), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("target", x86_targets())
+def test_rms_norm_of_head_views_in_avx2_and_avx512_builds(monkeypatch, target):
+    """Per-head rows read in place (a token stride) as an AVX2 or AVX-512 machine builds the kernels."""
+    library = cpu_ops.load_library(march=target)
+    norm = RMSNorm(32, eps=1e-6)
+    torch.manual_seed(1)
+    norm.weight.data.normal_()
+    with torch.inference_mode():
+        qkv = torch.randn(4, 8 * 32)
+        q = qkv.view(4, 8, 32)[:, :4]  # rows 256 floats apart, heads 32
+        want = eager(monkeypatch, norm, q)
+        monkeypatch.setattr(cpu_ops, "load_library", lambda: library)
+        torch.testing.assert_close(cpu_ops.rms_norm(q, norm.weight, norm.eps), want, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
