@@ -10,13 +10,11 @@ using tile_gemm::store;
 using tile_gemm::to_float;
 
 // HF's RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded to the input dtype, then times the weight.
-// Row (t, h) of x is at x + t * token_stride + h * dim (heads of a qkv view need no copy); out is contiguous.
 template <typename T>
-void rms_norm(const T *x, const T *weight, T *out, int64_t tokens, int64_t heads, int64_t token_stride,
-              int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (tokens * heads * dim > 32768)
-    for (int64_t r = 0; r < tokens * heads; r++) {
-        const T *row = x + (r / heads) * token_stride + (r % heads) * dim;
+void rms_norm(const T *x, const T *weight, T *out, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *row = x + r * dim;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < dim; i++) sum += to_float(row[i]) * to_float(row[i]);
@@ -88,9 +86,9 @@ extern "C" void greedy_argmax_f32(const float *logits, int64_t *out, int64_t row
 }
 
 #define EXPORT(SUFFIX, T)                                                                                       \
-    extern "C" void rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t tokens, int64_t heads,       \
-                                      int64_t token_stride, int64_t dim, float eps, int num_threads) {          \
-        rms_norm(x, weight, out, tokens, heads, token_stride, dim, eps, num_threads);                           \
+    extern "C" void rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t rows, int64_t dim, float eps, \
+                                      int num_threads) {                                                        \
+        rms_norm(x, weight, out, rows, dim, eps, num_threads);                                                  \
     }                                                                                                           \
     extern "C" void rotary_##SUFFIX(T *x, const int64_t *positions, const float *cos, const float *sin,         \
                                     int64_t tokens, int64_t heads, int64_t row_stride, int64_t head_dim,        \
