@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedmoe.cpu_info import cpu_flags
+from pagedmoe.cpu_info import blas_is_tuned, cpu_flags, has_native_bf16, is_x86
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 # Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
-# even at 128); bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few rows on).
+# even at 128); native bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few
+# rows on); elsewhere see default_max_rows.
 # On AMX at every row count: oneDNN reorders the plain bf16 weight into its tile layout on
 # every call, which the packed copy never does (1.2-1.4x at 64-256 rows), and JITs a kernel for every new row
 # count (3-40 ms each, and prefill and serving row counts change every step); at 512-2048 rows the chunked
@@ -77,7 +78,14 @@ def uses_amx(library: ctypes.CDLL, weight: Tensor) -> bool:
 
 
 def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:
-    return MAX_ROWS_AMX if on_amx else MAX_ROWS.get(dtype, 0)
+    """Every row count where the alternative is slower at every size: AMX, bf16 on an x86 CPU without native
+    bf16 (widened here against oneDNN's emulation: 3-5x from 16 rows on an AMD EPYC, AVX2), and float32 where
+    torch's BLAS is MKL off Intel (blas_is_tuned)."""
+    if on_amx:
+        return MAX_ROWS_AMX
+    if is_x86() and dtype == torch.bfloat16 and not has_native_bf16():
+        return ANY_ROWS
+    return ANY_ROWS if dtype == torch.float32 and not blas_is_tuned() else MAX_ROWS.get(dtype, 0)
 
 
 class CpuLinear:

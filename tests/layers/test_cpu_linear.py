@@ -64,7 +64,9 @@ def test_keeps_leading_dimensions_and_rejects_what_it_cannot_run():
         CpuLinear(weight)(torch.randn(2, 31))
 
 
-def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large():
+def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large(monkeypatch):
+    """On Intel, where MKL's GEMMs are tuned."""
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", "GenuineIntel")
     torch.manual_seed(0)
     layer = Linear(64, 128, bias=True)
     small, large = torch.randn(4, 64), torch.randn(cpu_linear.MAX_ROWS[torch.float32] + 1, 64)
@@ -79,11 +81,12 @@ def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large():
     assert len(calls) == 1
 
 
-def test_bfloat16_takes_the_kernel_only_on_amx_and_small_weights_keep_onednn():
-    """bf16 linears run on AMX tiles where the CPU has them, else stay on oneDNN (its AMX kernels win from a few
-    rows over the vector tiles); weights under min_bytes stay too."""
+def test_bfloat16_takes_the_kernel_on_amx_or_without_native_bf16_and_small_weights_keep_onednn():
+    """bf16 linears run on AMX tiles where the CPU has them, widened on the vector tiles where bf16 is not
+    native, else stay on oneDNN (its native bf16 kernels); weights under min_bytes stay too."""
     on_amx = bool(cpu_linear.load_library().linear_amx()) and "amx_bf16" in cpu_info.cpu_flags()
-    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == int(on_amx)
+    takes_kernel = on_amx or not cpu_info.has_native_bf16()
+    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == int(takes_kernel)
     assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
     assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
 
@@ -112,3 +115,25 @@ def test_gate_up_layer_with_and_without_the_kernel():
         torch.testing.assert_close(layer(x), expected)
         assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1 and layer.cpu_kernel.gated
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vendor, flags, dtype, every_size", [
+    ("GenuineIntel", "avx2 fma", torch.float32, False),
+    ("AuthenticAMD", "avx2 fma", torch.float32, True),  # MKL's sgemm is not tuned off Intel
+    ("AuthenticAMD", "avx2 fma", torch.bfloat16, True),  # widened bf16 against oneDNN's emulation
+    ("GenuineIntel", "avx2 fma", torch.bfloat16, True),
+    ("AuthenticAMD", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16", torch.bfloat16, False)])
+def test_row_limit_follows_the_cpu(monkeypatch, vendor, flags, dtype, every_size):
+    """Which inputs the kernel takes, for the vendor and flags PAGEDMOE_CPU_VENDOR / _FLAGS report; a layer
+    that takes every size runs a prefill-sized input through the kernel and matches F.linear."""
+    if not cpu_info.is_x86():
+        pytest.skip("x86 dispatch")
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", vendor)
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", flags)
+    layer = Linear(64, 96).to(dtype)
+    x = torch.randn(300, 64).to(dtype)
+    with torch.inference_mode():
+        expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        attached = attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1
+        assert (attached and layer.cpu_kernel.fits(x)) == every_size
+        torch.testing.assert_close(layer(x).double(), expected, **TOLERANCE[dtype])

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedmoe.cpu_info import cpu_flags
+from pagedmoe.cpu_info import blas_is_tuned, cpu_flags, has_native_bf16, is_x86
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
-from pagedmoe.layers.cpu_linear import in_k_pairs, pack_gate_up, pack_panels
+from pagedmoe.layers.cpu_linear import ANY_ROWS, in_k_pairs, pack_gate_up, pack_panels
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
@@ -23,6 +23,16 @@ MAX_ROWS_PER_EXPERT = {torch.float32: 64, torch.bfloat16: 16}
 # layers, against the vector kernel 1.0x at 4 tokens, 1.2x at 16, 1.4x at 32, 1.9x at 48; against one AMX
 # call per expert 1.3-1.75x at 32-128 tokens; and no fall back to oneDNN past decode sizes, which JITs a
 # kernel per expert and row count, new in every prefill step (a 2048-token layer: 98 ms against 40).
+
+
+def max_rows_per_expert(dtype: torch.dtype) -> int:
+    """Every size where the expert loop's GEMMs are slower at every size: float32 on MKL off Intel (8 experts
+    768 -> 1024 on an AMD EPYC, AVX2: 1.3-2.1x at 16-512 tokens, even at 1024-2048), bf16 without native bf16."""
+    if dtype == torch.float32 and not blas_is_tuned():
+        return ANY_ROWS
+    if dtype == torch.bfloat16 and is_x86() and not has_native_bf16():
+        return ANY_ROWS
+    return MAX_ROWS_PER_EXPERT[dtype]
 
 
 @functools.cache
@@ -62,7 +72,7 @@ class CpuFusedMoE:
         self.amx_fn = amx_entry_point(library, w13)
         if self.amx_fn is not None:
             self.fn = self.amx_fn
-        self.max_pairs = MAX_ROWS_PER_EXPERT[w13.dtype] * self.num_experts
+        self.max_pairs = max_rows_per_expert(w13.dtype) * self.num_experts
 
     def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
         """Whether this batch runs here: decode-sized, or any size on AMX (and no autograd)."""

@@ -68,7 +68,9 @@ def test_rejects_shapes_and_dtypes_it_cannot_run():
     assert panel in (8, 16, 32)
 
 
-def test_decode_sized_batches_only():
+def test_decode_sized_batches_only(monkeypatch):
+    """On Intel, where the expert loop's MKL GEMMs win past decode sizes."""
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", "GenuineIntel")
     x, w13, w2, _, topk_ids = make_problem(4, 2, torch.float32)
     kernel = CpuFusedMoE(w13, w2)
     limit = cpu_kernel.MAX_ROWS_PER_EXPERT[torch.float32] * NUM_EXPERTS
@@ -85,7 +87,8 @@ def moe_layer(activation="silu", expert_bias=False):
     return layer
 
 
-def test_the_layer_uses_the_kernel_for_small_batches_and_the_loop_for_large():
+def test_the_layer_uses_the_kernel_for_small_batches_and_the_loop_for_large(monkeypatch):
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", "GenuineIntel")
     torch.manual_seed(0)
     layer = moe_layer()
     x_small, x_large = torch.randn(3, HIDDEN), torch.randn(400, HIDDEN)
@@ -97,6 +100,32 @@ def test_the_layer_uses_the_kernel_for_small_batches_and_the_loop_for_large():
         for x, ref in zip((x_small, x_large), expected):
             torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("vendor, flags, dtype, every_size", [
+    ("AuthenticAMD", "avx2 fma", torch.float32, True),  # MKL's GEMMs are not tuned off Intel
+    ("GenuineIntel", "avx2 fma", torch.float32, False),
+    ("GenuineIntel", "avx2 fma", torch.bfloat16, True),  # the loop's bf16 GEMMs are emulated
+    ("AuthenticAMD", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16", torch.bfloat16, False)])
+def test_large_batches_follow_the_cpu(monkeypatch, vendor, flags, dtype, every_size):
+    """A prefill-sized batch runs through the kernel where the expert loop is slower at every size, and
+    matches the loop."""
+    if not cpu_info.is_x86():
+        pytest.skip("x86 dispatch")
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", vendor)
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", flags)
+    torch.manual_seed(0)
+    layer = moe_layer().to(dtype)
+    x = torch.randn(400, HIDDEN).to(dtype)
+    with torch.inference_mode():
+        expected = layer(x).double()
+        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1
+        calls = []
+        layer.cpu_experts.fn = record_calls(layer.cpu_experts.fn, calls)
+        scale = float(expected.abs().max())
+        tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2 * scale, rtol=2e-2)
+        torch.testing.assert_close(layer(x).double(), expected, **tolerance)
+    assert len(calls) == int(every_size)
 
 
 def record_calls(fn, calls):
