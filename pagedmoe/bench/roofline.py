@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedmoe.bench.workload import BenchRequest
+from pagedmoe.cpu_info import has_native_bf16
 from pagedmoe.layers.moe.layer import FusedMoE
 
 
@@ -122,9 +123,18 @@ def best_time(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+def peak_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype whose matmul peak bounds a model computed in dtype: float32 for bf16 on a CPU without native
+    bf16, where the kernels widen bf16 to float32 (torch's own bf16 matmul, emulated, runs ~100x slower)."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16():
+        return torch.float32
+    return dtype
+
+
 def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 1024, repeats: int = 5) -> dict:
-    """Best-of-`repeats` FLOP/s of one size^3 matmul in `dtype` on `device`, at the current torch threads."""
-    device = torch.device(device)
+    """Best-of-`repeats` FLOP/s of one size^3 matmul in `dtype` (as peak_dtype bounds it) on `device`, at the
+    current torch threads."""
+    dtype, device = peak_dtype(dtype, device), torch.device(device)
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=g).to(device, dtype) for _ in range(2))
     best = best_time(lambda: torch.mm(a, b), device, repeats)

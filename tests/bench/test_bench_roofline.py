@@ -75,6 +75,13 @@ def test_roofline_arithmetic_and_peak_figures():
     assert math.isclose(peak["peak_flop_s"], 2 * 64 ** 3 / peak["best_s"])
 
 
+@pytest.mark.parametrize("flags, expected", [("avx2 fma", "float32"), ("avx2 fma avx512_bf16", "bfloat16")])
+def test_bf16_peak_is_the_float32_one_without_native_bf16(monkeypatch, flags, expected):
+    """Where bf16 is not native the kernels widen it to float32, so that peak is the ceiling."""
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", flags)
+    assert matmul_peak(torch.bfloat16, "cpu", size=32, repeats=1)["dtype"] == expected
+
+
 def test_decode_bytes_count_weights_touched_and_kv_read():
     config = qwen2_moe_config()
     counts = model_flops(pagedmoe_model(config), config)
