@@ -71,6 +71,12 @@ def has_native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
 
 
+def bf16_is_emulated() -> bool:
+    """An x86 CPU without native bf16: torch's bf16 matmuls are emulated there (~100x slower than float32),
+    and the CPU kernels widen bf16 to float32 as they load it, at every size."""
+    return is_x86() and not has_native_bf16()
+
+
 @functools.cache
 def _torch_can_prepack_bf16() -> bool:
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

@@ -46,6 +46,17 @@ def test_predicates_on_each_machine(monkeypatch, machine):
     monkeypatch.setenv(FLAGS_ENV, flags)
     monkeypatch.setattr(cpu_info, "_torch_can_prepack_bf16", lambda: True)
     assert has_native_bf16() == native and can_prepack_bf16() == prepack
+    assert cpu_info.bf16_is_emulated() == (cpu_info.is_x86() and not native)
+
+
+@pytest.mark.parametrize("vendor, tuned", [("GenuineIntel", True), ("AuthenticAMD", False), ("HygonGenuine", False)])
+def test_blas_is_tuned_on_intel_only(monkeypatch, vendor, tuned):
+    """MKL's tuned GEMMs are Intel's; PAGEDMOE_CPU_VENDOR stands in for /proc/cpuinfo's vendor_id. Off x86
+    torch's BLAS is another library, taken as tuned."""
+    monkeypatch.setenv(cpu_info.VENDOR_ENV, vendor)
+    assert cpu_info.cpu_vendor() == vendor and cpu_info.blas_is_tuned() == (tuned or not cpu_info.is_x86())
+    monkeypatch.setattr(cpu_info.platform, "machine", lambda: "aarch64")
+    assert cpu_info.blas_is_tuned()
 
 
 def test_forced_flags_take_prepacking_away_never_grant_it(monkeypatch):
@@ -153,12 +164,14 @@ def test_auto_bf16_checkpoint_on_avx2_runs_packed_float32_and_matches_hf(bf16_ch
 
 
 def test_explicit_bf16_on_avx2_is_unpacked_and_matches_the_exact_path(bf16_checkpoint, monkeypatch):
-    """Where oneDNN would refuse bf16 weights at load, --dtype bfloat16 still loads and runs (F.linear)."""
+    """Where oneDNN would refuse bf16 weights at load, --dtype bfloat16 still loads and runs: its linears on the
+    tile kernel, which widens bf16 to float32 (no oneDNN pack), with the unpacked F.linear path's tokens."""
     monkeypatch.setenv(FLAGS_ENV, AVX2_ONLY)
     monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
     path, _ = bf16_checkpoint
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True)
     assert next(llm.engine.runner.model.parameters()).dtype == torch.bfloat16
     assert linear_layers(llm) and all(layer.packed_weight is None for layer in linear_layers(llm))
+    assert any(layer.cpu_kernel is not None for layer in linear_layers(llm))
     exact = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, prepack_weights=False)
     assert greedy(llm) == greedy(exact)

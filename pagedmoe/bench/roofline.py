@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedmoe.bench.workload import BenchRequest
-from pagedmoe.cpu_info import has_native_bf16
+from pagedmoe.cpu_info import bf16_is_emulated
 from pagedmoe.layers.moe.layer import FusedMoE
 
 
@@ -126,7 +126,7 @@ def best_time(fn, device: torch.device, repeats: int) -> float:
 def peak_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
     """The dtype whose matmul peak bounds a model computed in dtype: float32 for bf16 on a CPU without native
     bf16, where the kernels widen bf16 to float32 (torch's own bf16 matmul, emulated, runs ~100x slower)."""
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16():
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_is_emulated():
         return torch.float32
     return dtype
 
