@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 from pagedmoe.layers.cpu_linear import CpuLinear
-from pagedmoe.layers.linear import attach_cpu_kernels, pack_weight, packed_linear
+from pagedmoe.layers.linear import attach_cpu_kernels, can_pack, pack_weight, packed_linear
 from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
 from pagedmoe.layers.moe.fused_moe import fused_experts
 from pagedmoe.layers.moe.layer import FusedMoE
@@ -41,11 +41,13 @@ def best_of(fns: dict, iters: int) -> dict[str, float]:
 
 
 def linear_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
-    packed = [pack_weight(w) for w in weights]
+    """oneDNN's packed GEMM only where it takes the dtype (not bf16 without native bf16)."""
     kernels = [CpuLinear(w, max_rows=x.shape[0]) for w in weights]
-    return {"onednn": lambda: [packed_linear(x, p) for p in packed],
-            "mkl": lambda: [F.linear(x, w) for w in weights],
-            "kernel": lambda: [k(x) for k in kernels]}
+    paths = {"mkl": lambda: [F.linear(x, w) for w in weights], "kernel": lambda: [k(x) for k in kernels]}
+    if can_pack(weights[0]):
+        packed = [pack_weight(w) for w in weights]
+        paths["onednn"] = lambda: [packed_linear(x, p) for p in packed]
+    return paths
 
 
 def bench_linears(dtype: torch.dtype, rows: list[int], layers: int, iters: int) -> list[dict]:
@@ -86,10 +88,12 @@ def engine_layers(dtype: torch.dtype, stack) -> list[FusedMoE]:
 def moe_paths(stack, engine: list[FusedMoE], x: torch.Tensor) -> dict:
     routes = [select_experts(layer.router, layer.router_logits(x), None) for layer, _ in stack]
     pairs = list(zip(stack, routes))
-    return {"onednn": lambda: [fused_experts(x, m.w13, m.w2, *r, packed=m.packed_experts) for (m, _), r in pairs],
-            "loop": lambda: [fused_experts(x, m.w13, m.w2, *r, use_grouped_mm=False) for (m, _), r in pairs],
-            "kernel": lambda: [k(x, *r) for (_, k), r in pairs],
-            "layer": lambda: [e.routed_output(x, *r) for e, r in zip(engine, routes)]}
+    paths = {"loop": lambda: [fused_experts(x, m.w13, m.w2, *r, use_grouped_mm=False) for (m, _), r in pairs],
+             "kernel": lambda: [k(x, *r) for (_, k), r in pairs],
+             "layer": lambda: [e.routed_output(x, *r) for e, r in zip(engine, routes)]}
+    if stack[0][0].packed_experts is not None:  # oneDNN took the dtype
+        paths["onednn"] = lambda: [fused_experts(x, m.w13, m.w2, *r, packed=m.packed_experts) for (m, _), r in pairs]
+    return paths
 
 
 def bench_moe_stack(dtype: torch.dtype, tokens: list[int], layers: int, iters: int) -> list[dict]:
@@ -129,15 +133,20 @@ def bench_attention(dtype: torch.dtype, batches: list[int], context: int, layers
     return results
 
 
+def cell(row: dict, path: str, width: int, digits: int) -> str:
+    """A path's figure, or "-" where it did not run (oneDNN without a bf16 path)."""
+    return f"{row[path]:>{width}.{digits}f}" if path in row else f"{'-':>{width}}"
+
+
 def format_lines(result: dict) -> list[str]:
     lines = [f"machine: {result['machine']}, {result['threads']} threads"]
     for dtype, part in result["dtypes"].items():
         lines.append(f"{dtype} linears, ms per call (weights from memory):   onednn      mkl   kernel  kernel GFLOP/s")
-        lines += [f"  {r['op']:<8} rows {r['rows']:>4}  {r['onednn']:>28.3f} {r['mkl']:>8.3f} {r['kernel']:>8.3f}"
+        lines += [f"  {r['op']:<8} rows {r['rows']:>4}  {cell(r, 'onednn', 28, 3)} {r['mkl']:>8.3f} {r['kernel']:>8.3f}"
                   f" {r['kernel_gflops']:>10.0f}" for r in part["linears"]]
         lines.append(f"{dtype} MoE layer (8 experts 768 -> 1024, top-2), ms:  onednn     loop   kernel    layer"
                      "  all-expert GB/s")
-        lines += [f"  tokens {r['tokens']:>4}  {r['onednn']:>37.2f} {r['loop']:>8.2f} {r['kernel']:>8.2f}"
+        lines += [f"  tokens {r['tokens']:>4}  {cell(r, 'onednn', 37, 2)} {r['loop']:>8.2f} {r['kernel']:>8.2f}"
                   f" {r['layer']:>8.2f} {r['kernel_gb_per_s']:>10.1f}" for r in part["moe"]]
         lines.append(f"{dtype} decode attention per layer, ms:                    kernel  KV GB/s")
         lines += [f"  seqs {r['seqs']:>4} context <= {r['context']:<5} {r['kernel']:>30.3f} {r['kv_gb_per_s']:>8.1f}"

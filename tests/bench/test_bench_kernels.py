@@ -19,3 +19,16 @@ def test_kernels_bench_reports_every_path(tmp_path, capsys):
     attention = result["dtypes"]["float32"]["attention"]
     assert attention[0]["seqs"] == 2 and attention[0]["kernel"] > 0 and attention[0]["kv_gb_per_s"] > 0
     assert "machine:" in capsys.readouterr().out
+
+
+def test_without_a_onednn_bf16_path_the_other_paths_run(tmp_path, capsys, monkeypatch):
+    """bf16 on an AVX2-only CPU: oneDNN refuses to pack bf16 there, so its column is "-"."""
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx avx2 fma")
+    out = tmp_path / "kernels.json"
+    args = ["kernels", "--dtypes", "bfloat16", "--rows", "3", "--moe-tokens", "5", "--layers", "1", "--iters", "1",
+            "--attention-seqs", "1", "--attention-context", "20", "--output-json", str(out)]
+    assert bench_main(args) == 0
+    part = json.loads(out.read_text())["dtypes"]["bfloat16"]
+    assert all("onednn" not in r and r["mkl"] > 0 and r["kernel"] > 0 for r in part["linears"])
+    assert "onednn" not in part["moe"][0] and part["moe"][0]["kernel"] > 0
+    assert "  -" in capsys.readouterr().out
