@@ -95,8 +95,17 @@ def cpu_vendor() -> str:
 
 def blas_is_tuned() -> bool:
     """torch's CPU BLAS runs tuned kernels here: MKL on Intel, another BLAS off x86. MKL's sgemm on other x86
-    vendors ran 25-40% below the tile kernel at 64-2048 rows (2-core AMD EPYC, AVX2), oneDNN's at its level."""
+    vendors ran 25-40% below the tile kernel at 64-2048 rows (2-core AMD EPYC, AVX2; oneDNN's packed GEMM ran
+    level with the kernel)."""
     return not is_x86() or cpu_vendor() == "GenuineIntel"
+
+
+def kernels_take_every_size(dtype: torch.dtype) -> bool:
+    """Where the CPU tile kernels beat the GEMMs torch would call at every size, not only at decode sizes:
+    float32 where its BLAS is MKL off Intel, bf16 where it is emulated."""
+    if dtype == torch.float32:
+        return not blas_is_tuned()
+    return dtype == torch.bfloat16 and bf16_is_emulated()
 
 
 def cpu_model_name() -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedmoe.cpu_info import bf16_is_emulated, blas_is_tuned, cpu_flags
+from pagedmoe.cpu_info import cpu_flags, kernels_take_every_size
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
 
@@ -83,9 +83,7 @@ def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:
     torch's BLAS is MKL off Intel (blas_is_tuned)."""
     if on_amx:
         return MAX_ROWS_AMX
-    if dtype == torch.bfloat16 and bf16_is_emulated():
-        return ANY_ROWS
-    return ANY_ROWS if dtype == torch.float32 and not blas_is_tuned() else MAX_ROWS.get(dtype, 0)
+    return ANY_ROWS if kernels_take_every_size(dtype) else MAX_ROWS.get(dtype, 0)
 
 
 class CpuLinear:

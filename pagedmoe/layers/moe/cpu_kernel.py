@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedmoe.cpu_info import bf16_is_emulated, blas_is_tuned, cpu_flags
+from pagedmoe.cpu_info import cpu_flags, kernels_take_every_size
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
 from pagedmoe.layers.cpu_linear import ANY_ROWS, in_k_pairs, pack_gate_up, pack_panels
@@ -29,11 +29,7 @@ def max_rows_per_expert(dtype: torch.dtype) -> int:
     """Every size where the expert loop's GEMMs are slower at every size: float32 on MKL off Intel (8 experts
     768 -> 1024, top-2, AMD EPYC, AVX2: the kernel 4.4x over the MKL loop at 16 tokens, 1.7x at 512, 1.2x at
     2048), and bf16 where it is emulated."""
-    if dtype == torch.float32 and not blas_is_tuned():
-        return ANY_ROWS
-    if dtype == torch.bfloat16 and bf16_is_emulated():
-        return ANY_ROWS
-    return MAX_ROWS_PER_EXPERT[dtype]
+    return ANY_ROWS if kernels_take_every_size(dtype) else MAX_ROWS_PER_EXPERT[dtype]
 
 
 @functools.cache
