@@ -16,10 +16,19 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class Attention(nn.Module):
-    """qk_norm: None, "head" (Qwen3: RMSNorm per head) or "full" (OLMoE: RMSNorm over all heads)."""
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The layer's window where HF's config marks it "sliding_attention" (gpt-oss: every even layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer_idx] == "sliding_attention":
+        return config.sliding_window
+    return None
 
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None):
+
+class Attention(nn.Module):
+    """qk_norm: None, "head" (Qwen3: RMSNorm per head) or "full" (OLMoE: RMSNorm over all heads).
+    sinks: one learned logit per query head in each softmax's denominator (gpt-oss)."""
+
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None, sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -32,8 +41,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         self.attn = TorchPagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                        self.head_dim ** -0.5)
+                                        self.head_dim ** -0.5, sliding_window_of(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -46,7 +56,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, self.sinks)
         return self.o_proj(o.flatten(1))
 
 
@@ -61,9 +71,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None, mlp: nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None, mlp: nn.Module,
+                 sinks: bool = False):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, rotary, qk_norm)
+        self.self_attn = Attention(config, layer_idx, rotary, qk_norm, sinks)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -76,6 +87,7 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Llama-family decoder (Llama, Qwen2, Qwen3). MoE families reuse it by overriding `make_mlp`."""
     qk_norm: str | None = None
+    attention_sinks = False
     weight_renames: dict[str, str] = {}
 
     def __init__(self, config):
@@ -94,7 +106,8 @@ class DecoderForCausalLM(nn.Module):
         return RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings)
 
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
-        return DecoderLayer(config, layer_idx, rotary, self.qk_norm, self.make_mlp(config, layer_idx))
+        return DecoderLayer(config, layer_idx, rotary, self.qk_norm, self.make_mlp(config, layer_idx),
+                            self.attention_sinks)
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         return MLP(config.hidden_size, config.intermediate_size)

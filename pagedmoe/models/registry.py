@@ -13,6 +13,7 @@ MODEL_REGISTRY = {
     "OlmoeForCausalLM": "pagedmoe.models.olmoe:OlmoeForCausalLM",
     "DeepseekV3ForCausalLM": "pagedmoe.models.deepseek:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "pagedmoe.models.deepseek:DeepseekV2ForCausalLM",
+    "GptOssForCausalLM": "pagedmoe.models.gpt_oss:GptOssForCausalLM",
 }
 
 

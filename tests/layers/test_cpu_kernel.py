@@ -7,15 +7,23 @@ from pagedmoe.layers.attention import cpu_kernel
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
 
 
-def reference(q, cache, block_tables, seq_lens, scale):
-    """Gather each sequence's context and run SDPA on it, one sequence at a time."""
+def reference(q, cache, block_tables, seq_lens, scale, window=0, sinks=None):
+    """Gather each sequence's context (its last `window` positions if given) and attend to it one sequence at a
+    time: SDPA, or with sinks HF's eager gpt-oss softmax (the sink logit concatenated, then dropped)."""
     num_kv_heads, out = cache.shape[0] // 2, []
     for s, seq_len in enumerate(seq_lens.tolist()):
         context = cache[:, block_tables[s]].flatten(1, 2)[:, :seq_len].float()
+        context = context[:, max(0, seq_len - window):] if window else context
         keys, values = context[:num_kv_heads], context[num_kv_heads:]
-        o = torch.nn.functional.scaled_dot_product_attention(q[s, :, None].float(), keys, values, scale=scale,
-                                                             enable_gqa=True)
-        out.append(o[:, 0])
+        if sinks is None:
+            o = torch.nn.functional.scaled_dot_product_attention(q[s, :, None].float(), keys, values, scale=scale,
+                                                                 enable_gqa=True)
+            out.append(o[:, 0])
+            continue
+        group = q.shape[1] // num_kv_heads
+        logits = torch.einsum("hd,htd->ht", q[s].float(), keys.repeat_interleave(group, 0)) * scale
+        probs = torch.softmax(torch.cat([logits, sinks[:, None].float()], -1), -1)[:, :-1]
+        out.append(torch.einsum("ht,htd->hd", probs, values.repeat_interleave(group, 0)))
     return torch.stack(out)
 
 
@@ -41,6 +49,26 @@ def test_matches_sdpa_over_gathered_context(num_seqs, num_kv_heads, group_size, 
     out = PagedDecodeKernel(torch.float32)(q, cache, block_tables, seq_lens, head_dim ** -0.5)
     torch.testing.assert_close(out, reference(q, cache, block_tables, seq_lens, head_dim ** -0.5),
                                atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(group_size=st.sampled_from([1, 3]), block_size=st.sampled_from([1, 4, 16]),
+       head_dim=st.sampled_from([8, 64, 96]), max_len=st.integers(1, 70), window=st.integers(0, 40),
+       has_sinks=st.booleans(), seed=st.integers(0, 1000))
+def test_sliding_window_and_sinks_match_the_reference(group_size, block_size, head_dim, max_len, window,
+                                                      has_sinks, seed):
+    q, cache, block_tables, seq_lens = make_problem(4, 2, group_size, block_size, head_dim, max_len,
+                                                   torch.float32, seed)
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(seed)) * 3 if has_sinks else None
+    out = PagedDecodeKernel(torch.float32)(q, cache, block_tables, seq_lens, 0.3, window=window, sinks=sinks)
+    torch.testing.assert_close(out, reference(q, cache, block_tables, seq_lens, 0.3, window, sinks),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bad_sinks_raise_value_errors():
+    q, cache, block_tables, seq_lens = make_problem(2, 2, 2, 4, 8, 10, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="sinks"):
+        PagedDecodeKernel(torch.float32)(q, cache, block_tables, seq_lens, 1.0, sinks=torch.zeros(3))
 
 
 def test_bfloat16_close_to_float32_reference():
@@ -107,6 +135,10 @@ def test_builds_for_avx2_and_avx512_targets_and_matches_sdpa(target, dtype):
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), reference(q, cache, block_tables, seq_lens, head_dim ** -0.5),
                                    **tol)
+        sinks = torch.linspace(-2, 2, q.shape[1])
+        out = kernel(q, cache, block_tables, seq_lens, head_dim ** -0.5, window=20, sinks=sinks)
+        torch.testing.assert_close(out.float(), reference(q, cache, block_tables, seq_lens, head_dim ** -0.5,
+                                                          20, sinks), **tol)
 
 
 def test_loading_the_kernel_keeps_denormals():

@@ -22,12 +22,14 @@ def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
 
 class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
-        "num_seqs", "max_blocks", "num_kv_heads", "group_size", "num_blocks", "block_size", "head_dim")]
+        "num_seqs", "max_blocks", "num_kv_heads", "group_size", "num_blocks", "block_size", "head_dim", "window")]
 
 
 class PagedDecodeKernel:
     """out[s] = attention of q[s] ([num_heads, head_dim]) over the first seq_lens[s] positions of sequence
-    s's blocks in one layer's cache ([2 * num_kv_heads, num_blocks, block_size, head_dim])."""
+    s's blocks in one layer's cache ([2 * num_kv_heads, num_blocks, block_size, head_dim]); with a window,
+    over the last `window` of them only; sinks ([num_heads], float32): one more logit per head in each
+    softmax's denominator (gpt-oss)."""
 
     def __init__(self, dtype: torch.dtype, library: ctypes.CDLL | None = None):
         if dtype not in ENTRY_POINTS:
@@ -37,19 +39,30 @@ class PagedDecodeKernel:
         self.fn.restype = None
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, tables_checked: bool = False) -> torch.Tensor:
+                 scale: float, tables_checked: bool = False, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """tables_checked: check_tables already passed for these tables and this cache's shape (once per step,
         not once per layer)."""
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = cache.shape[0] // 2
         _check(q, cache, block_tables, seq_lens, self.dtype)
+        sinks = _float_sinks(sinks, num_heads)
         if not tables_checked:
             check_tables(block_tables, seq_lens, cache.shape[1], cache.shape[2])
         out = torch.empty_like(q)
         shape = Shape(num_seqs, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
-                      cache.shape[1], cache.shape[2], head_dim)
-        self.fn(*map(ptr, (q, cache, block_tables, seq_lens, out)), shape, ctypes.c_float(scale), num_threads())
+                      cache.shape[1], cache.shape[2], head_dim, max(0, window or 0))
+        self.fn(*map(ptr, (q, cache, block_tables, seq_lens, out)), shape, ctypes.c_float(scale), ptr(sinks),
+                num_threads())
         return out
+
+
+def _float_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks: expected shape ({num_heads},), got {tuple(sinks.shape)}")
+    return sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def _check(q, cache, block_tables, seq_lens, dtype):

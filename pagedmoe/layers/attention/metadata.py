@@ -31,6 +31,7 @@ class DecodeChunk:
     token_index: torch.Tensor  # [n] step-token index of each sequence's query
     context_index: torch.Tensor  # [num_kv_tensors * n * num_blocks] rows of a layer's cache viewed [-1, block]
     padding: torch.Tensor  # [1, n, 1, num_blocks * block_size] gathered positions that are not context
+    seq_lens: torch.Tensor  # [n] each sequence's context length (a sliding window masks from it)
 
 
 @dataclass
@@ -143,6 +144,7 @@ def _decode_chunks(token_index, context_index, mask, seq_lens, block_size, block
         rows = order[start:start + size]
         chunks.append(DecodeChunk(token_index[rows].to(device),
                                   context_index[:, rows, :num_blocks].flatten().to(device),
-                                  ~mask[rows, 0, 0, :num_blocks * block_size][None, :, None].to(device)))
+                                  ~mask[rows, 0, 0, :num_blocks * block_size][None, :, None].to(device),
+                                  seq_lens[rows].to(device)))
         start += size
     return chunks

@@ -13,13 +13,17 @@ class TorchPagedAttention:
     their slots first. Decodes attend in the chunks the metadata planned (CPU: <= CHUNK_BYTES of context each),
     two batched matmuls a chunk; prefill chunks one sequence at a time, so a chunk with no earlier context runs
     causal SDPA with no padding and no mask. With a decode kernel in the metadata (CPU), decodes read their
-    blocks in place instead (cpu_kernel.py)."""
+    blocks in place instead (cpu_kernel.py). A sliding-window layer (gpt-oss) attends the last `sliding_window`
+    positions only; sinks ([num_heads], passed per call) are one more logit per head that joins each softmax's
+    denominator and adds nothing to the output, as HF's eager gpt-oss attention computes them."""
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
-        self.head_dim, self.scale = head_dim, scale
+        self.head_dim, self.scale, self.window = head_dim, scale, sliding_window or 0
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 sinks: torch.Tensor | None = None):
         cache = meta.kv_caches[self.layer_idx]
         if not cpu_ops.write_kv(cache, k, v, meta.slot_mapping):
             for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
@@ -27,14 +31,14 @@ class TorchPagedAttention:
         if meta.decode_kernel is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
             group = meta.groups[0]  # every token a decode, in sequence order: no gather, no scatter
             return meta.decode_kernel(q.contiguous(), cache, group.block_tables, group.seq_lens_tensor, self.scale,
-                                      tables_checked=True)
+                                      tables_checked=True, window=self.window, sinks=sinks)
         rows = cache.view(-1, cache.shape[2] * self.head_dim)
         out = torch.empty_like(q)
         for group in meta.groups:
             if group.is_decode:
-                self._attend_decodes(q, cache, rows, group, meta, out)
+                self._attend_decodes(q, cache, rows, group, meta, out, sinks)
             else:
-                self._attend_prefill(q, rows, group, meta.workspace, out)
+                self._attend_prefill(q, rows, group, meta.workspace, out, sinks)
         return out
 
     def _gather(self, rows, index: torch.Tensor, num_seqs: int, workspace: Workspace):
@@ -42,33 +46,47 @@ class TorchPagedAttention:
         context = gather_rows(rows, index, workspace.get((index.numel(), rows.shape[1])))
         return context.view(2 * self.num_kv_heads, num_seqs, -1, self.head_dim).split(self.num_kv_heads)
 
-    def _attend_decodes(self, q, cache, rows, group: AttentionGroup, meta: AttentionMetadata, out: torch.Tensor):
+    def _attend_decodes(self, q, cache, rows, group: AttentionGroup, meta: AttentionMetadata, out: torch.Tensor,
+                        sinks: torch.Tensor | None):
         if meta.decode_kernel is not None:
             index = group.token_index[:, 0]
             out[index] = meta.decode_kernel(q[index], cache, group.block_tables, group.seq_lens_tensor, self.scale,
-                                            tables_checked=True)
+                                            tables_checked=True, window=self.window, sinks=sinks)
             return
         for chunk in group.decode_chunks:
-            out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, meta.workspace)
+            out[chunk.token_index] = self._attend_decode(q[chunk.token_index], rows, chunk, meta.workspace, sinks)
 
-    def _attend_decode(self, q, rows, chunk: DecodeChunk, workspace: Workspace) -> torch.Tensor:
+    def _attend_decode(self, q, rows, chunk: DecodeChunk, workspace: Workspace,
+                       sinks: torch.Tensor | None) -> torch.Tensor:
         """One query per sequence: two batched matmuls with the query heads grouped per KV head
         (CPU SDPA kernels are slow for a single query row)."""
         num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
         keys, values = self._gather(rows, chunk.context_index, num_seqs, workspace)
         q = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)
-        scores = scores.masked_fill_(chunk.padding, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        scores = scores.masked_fill_(self._decode_mask(chunk, scores.shape[-1]), float("-inf"))
+        if sinks is not None:
+            sinks = sinks.view(self.num_kv_heads, 1, group_size, 1)
+        probs = softmax_with_sinks(scores, sinks).to(q.dtype)
         o = torch.matmul(probs, values)
         return o.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim)
 
-    def _attend_prefill(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor):
+    def _decode_mask(self, chunk: DecodeChunk, width: int) -> torch.Tensor:
+        if not self.window:
+            return chunk.padding
+        key_pos = torch.arange(width, device=chunk.seq_lens.device)
+        outside = key_pos[None, :] < (chunk.seq_lens - self.window)[:, None]
+        return chunk.padding | outside[None, :, None, :]
+
+    def _attend_prefill(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor,
+                        sinks: torch.Tensor | None):
         bs = rows.shape[1] // self.head_dim
         for i, (start, num_new, seq_len) in enumerate(zip(group.query_starts, group.query_lens, group.seq_lens)):
             index = group.context_index[:, i, :-(-seq_len // bs)].flatten()
             keys, values = (c[:, :, :seq_len].transpose(0, 1) for c in self._gather(rows, index, 1, workspace))
-            mask = None if num_new == seq_len else causal_mask(num_new, seq_len, q.device)
+            mask = causal_mask(num_new, seq_len, q.device, self.window)
+            if sinks is not None:
+                keys, values, mask = with_sink_key(keys, values, mask, sinks.to(q.dtype))
             o = F.scaled_dot_product_attention(q[start:start + num_new].transpose(0, 1)[None], keys, values,
                                                attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
@@ -85,6 +103,32 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
     return out
 
 
-def causal_mask(num_queries: int, seq_len: int, device) -> torch.Tensor:
-    """[num_queries, seq_len]: the queries are the last num_queries positions of the sequence."""
-    return torch.ones(num_queries, seq_len, dtype=torch.bool, device=device).tril(seq_len - num_queries)
+def causal_mask(num_queries: int, seq_len: int, device, window: int = 0) -> torch.Tensor | None:
+    """[num_queries, seq_len]: the queries are the last num_queries positions of the sequence, each sees itself
+    and what precedes it, within `window` positions if one is given (HF: key > query - window). None where
+    that is plain causal attention over the whole sequence (SDPA's is_causal)."""
+    if num_queries == seq_len and not 0 < window < seq_len:
+        return None
+    mask = torch.ones(num_queries, seq_len, dtype=torch.bool, device=device).tril(seq_len - num_queries)
+    return mask.triu(seq_len - num_queries - window + 1) if window else mask
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Float32 softmax over the last dim; sinks (broadcastable to scores[..., :1]) join the denominator only."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    combined = torch.cat([scores.float(), sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def with_sink_key(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor):
+    """Keys and values ([1, kv_heads, seq_len, head_dim]) with one zero row more, and SDPA's additive mask
+    [1, num_heads, queries, seq_len + 1] whose last column is each head's sink: q . 0 + sink is the sink's
+    logit, and its zero value adds nothing to the output."""
+    seq_len = keys.shape[2]
+    if mask is None:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=keys.device).tril()
+    zeros = keys.new_zeros(*keys.shape[:2], 1, keys.shape[3])
+    bias = torch.zeros(len(sinks), *mask.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~mask, -torch.inf)
+    bias = torch.cat([bias, sinks.view(-1, 1, 1).expand(-1, mask.shape[0], 1)], dim=-1)
+    return torch.cat([keys, zeros], dim=2), torch.cat([values, zeros], dim=2), bias[None]

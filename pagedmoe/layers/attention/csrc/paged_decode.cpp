@@ -1,7 +1,9 @@
 // Decode attention over a paged KV cache that reads each sequence's blocks in place, with no gather.
 // One layer's cache: [2 * num_kv_heads, num_blocks, block_size, head_dim], K heads then V heads.
-// A work item is one (sequence, KV head): the scores of its query heads over the whole context, an exact
-// softmax, then the probability-weighted sum of V, accumulated in float32.
+// A work item is one (sequence, KV head): the scores of its query heads over the context, an exact
+// softmax, then the probability-weighted sum of V, accumulated in float32. A sliding-window layer
+// (window > 0) attends the last `window` positions only; attention sinks (gpt-oss: one logit per query
+// head) join each softmax's denominator and nothing else.
 // Built and loaded by pagedmoe/layers/attention/cpu_kernel.py.
 #include <cmath>
 #include <cstdint>
@@ -21,7 +23,7 @@ using tile_gemm::to_float;
 using tile_gemm::VLEN;
 
 struct Shape {
-    int64_t num_seqs, max_blocks, num_kv_heads, group_size, num_blocks, block_size, head_dim;
+    int64_t num_seqs, max_blocks, num_kv_heads, group_size, num_blocks, block_size, head_dim, window;
 };
 
 // fn(std::integral_constant<int, count>) for a runtime count in [1, MAX].
@@ -52,28 +54,30 @@ const T *row_at(const T *head, const int64_t *table, int64_t t, int64_t len, con
 
 // The generic path (any head size): one dot product per position and query head.
 template <int HEAD_DIM, typename T>
-void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
-               float *scores) {
-    const int64_t dim = head_dim_of<HEAD_DIM>(s);
-    for (int64_t t = 0; t < len; t++) {
-        const T *row = row_at(k_head, table, t, len, s);
+void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t first, int64_t len,
+               const Shape &s, float *scores) {
+    const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
+    for (int64_t t = 0; t < n; t++) {
+        const T *row = row_at(k_head, table, first + t, len, s);
         for (int64_t g = 0; g < s.group_size; g++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; d++) dot += q[g * dim + d] * to_float(row[d]);
-            scores[g * len + t] = dot;
+            scores[g * n + t] = dot;
         }
     }
 }
 
-// Each of `rows` rows of len scores (rows `stride` apart) to its softmax, in place.
-void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t stride) {
-    for (float *row = scores; row < scores + rows * stride; row += stride) {
-        float max = row[0], sum = 0.0f;
+// Each of `rows` rows of len scores (rows `stride` apart) to its softmax, in place; sinks (or nullptr):
+// one more logit per row that counts in the denominator only.
+void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t stride, const float *sinks) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * stride, max = sinks ? sinks[r] : row[0];
 #pragma omp simd reduction(max : max)
         for (int64_t t = 0; t < len; t++) max = std::fmax(max, row[t]);
 #pragma omp simd
         for (int64_t t = 0; t < len; t++) row[t] = expf(row[t] - max);
+        float sum = sinks ? expf(sinks[r] - max) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) sum += row[t];
         const float inverse = 1.0f / sum;
@@ -83,15 +87,15 @@ void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t stride) {
 }
 
 template <int HEAD_DIM, typename T>
-void weighted_values(const float *probs, const T *v_head, const int64_t *table, int64_t len, const Shape &s,
-                     float *acc) {
-    const int64_t dim = head_dim_of<HEAD_DIM>(s);
+void weighted_values(const float *probs, const T *v_head, const int64_t *table, int64_t first, int64_t len,
+                     const Shape &s, float *acc) {
+    const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
     std::memset(acc, 0, sizeof(float) * s.group_size * dim);
-    for (int64_t t = 0; t < len; t++) {
-        const T *row = row_at(v_head, table, t, len, s);
+    for (int64_t t = 0; t < n; t++) {
+        const T *row = row_at(v_head, table, first + t, len, s);
         for (int64_t g = 0; g < s.group_size; g++)
 #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += probs[g * len + t] * to_float(row[d]);
+            for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += probs[g * n + t] * to_float(row[d]);
     }
 }
 
@@ -125,22 +129,22 @@ inline fvec sum_lanes(fvec *p) {
     return p[0];
 }
 
-// scores[g][t] = q[g] . k[t] for HEADS query heads (q scaled, float32 [HEADS][N * VLEN]); scores rows are
-// `stride` apart, stride >= len rounded up to VLEN.
+// scores[g][t - first] = q[g] . k[t] for HEADS query heads (q scaled, float32 [HEADS][N * VLEN]); scores
+// rows are `stride` apart, stride >= len - first rounded up to VLEN.
 template <int N, int HEADS, typename T>
-void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t len, const Shape &s,
-                 float *scores, int64_t stride) {
+void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t first, int64_t len,
+                 const Shape &s, float *scores, int64_t stride) {
     fvec qv[HEADS][N], part[HEADS][VLEN];
     for (int g = 0; g < HEADS; g++)
         for (int n = 0; n < N; n++) qv[g][n] = load(q + (g * N + n) * VLEN);
-    for (int64_t base = 0; base < len; base += VLEN) {
-        const int count = int(std::min<int64_t>(VLEN, len - base));
+    for (int64_t base = 0; base < len - first; base += VLEN) {
+        const int count = int(std::min<int64_t>(VLEN, len - first - base));
         for (int i = 0; i < VLEN; i++) {
             if (i == count) {
                 for (int g = 0; g < HEADS; g++) std::fill(part[g] + i, part[g] + VLEN, fvec{});
                 break;
             }
-            const T *row = row_at(k_head, table, base + i, len, s);
+            const T *row = row_at(k_head, table, first + base + i, len, s);
             fvec k[N];
             for (int n = 0; n < N; n++) k[n] = load(row + n * VLEN);
             for (int g = 0; g < HEADS; g++) {
@@ -158,11 +162,11 @@ void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t 
 
 // acc[g] = sum over t of probs[g][t] * v[t], for HEADS heads (probs rows `stride` apart).
 template <int N, int HEADS, typename T>
-void values_pass(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t len,
-                 const Shape &s, float *acc) {
+void values_pass(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
+                 int64_t len, const Shape &s, float *acc) {
     fvec sum[HEADS][N] = {};
-    for (int64_t t = 0; t < len; t++) {
-        const T *row = row_at(v_head, table, t, len, s);
+    for (int64_t t = 0; t < len - first; t++) {
+        const T *row = row_at(v_head, table, first + t, len, s);
         fvec v[N];
         for (int n = 0; n < N; n++) v[n] = load(row + n * VLEN);
         for (int g = 0; g < HEADS; g++)
@@ -173,39 +177,46 @@ void values_pass(const float *probs, int64_t stride, const T *v_head, const int6
 
 // One (sequence, KV head) on the fast path, its query heads in passes of up to HEADS.
 template <int N, int HEADS = std::max(1, REGISTER_BUDGET / N), typename T>
-void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_t *table, int64_t len,
-                 const Shape &s, float *scores, float *acc) {
-    const int64_t stride = (len + VLEN - 1) / VLEN * VLEN, dim = N * VLEN;
+void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_t *table, int64_t first,
+                 int64_t len, const Shape &s, const float *sinks, float *scores, float *acc) {
+    const int64_t stride = (len - first + VLEN - 1) / VLEN * VLEN, dim = N * VLEN;
     for (int64_t g = 0; g < s.group_size; g += HEADS)
         for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
-            scores_pass<N, heads.value>(qf + g * dim, k_head, table, len, s, scores + g * stride, stride);
+            scores_pass<N, heads.value>(qf + g * dim, k_head, table, first, len, s, scores + g * stride, stride);
         });
-    softmax_rows(scores, s.group_size, len, stride);
+    softmax_rows(scores, s.group_size, len - first, stride, sinks);
     for (int64_t g = 0; g < s.group_size; g += HEADS)
         for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
-            values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, len, s, acc + g * dim);
+            values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, first, len, s, acc + g * dim);
         });
+}
+
+// The context one query attends: the whole sequence, or its last s.window positions.
+inline int64_t first_position(int64_t len, const Shape &s) {
+    return s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
 }
 
 template <int HEAD_DIM, typename T>
 void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
-                  const Shape &s, float scale, int num_threads) {
+                  const Shape &s, float scale, const float *sinks, int num_threads) {
     constexpr bool FAST = HEAD_DIM > 0 && HEAD_DIM % VLEN == 0;
     const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, width = s.group_size * s.head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < s.num_seqs * s.num_kv_heads; item++) {
         const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads, len = seq_lens[seq];
-        const int64_t *table = block_tables + seq * s.max_blocks, stride = (len + VLEN - 1) / VLEN * VLEN;
+        const int64_t first = first_position(len, s), stride = (len - first + VLEN - 1) / VLEN * VLEN;
+        const int64_t *table = block_tables + seq * s.max_blocks;
+        const float *head_sinks = sinks ? sinks + kv_head * s.group_size : nullptr;
         std::vector<float> buffer(2 * width + s.group_size * stride);
         float *qf = buffer.data(), *acc = qf + width, *scores = acc + width;
         for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
         const T *k_head = cache + kv_head * head_stride, *v_head = cache + (s.num_kv_heads + kv_head) * head_stride;
         if constexpr (FAST) {
-            attend_fast<HEAD_DIM / VLEN>(qf, k_head, v_head, table, len, s, scores, acc);
+            attend_fast<HEAD_DIM / VLEN>(qf, k_head, v_head, table, first, len, s, head_sinks, scores, acc);
         } else {
-            scores_of<HEAD_DIM>(qf, k_head, table, len, s, scores);
-            softmax_rows(scores, s.group_size, len, len);
-            weighted_values<HEAD_DIM>(scores, v_head, table, len, s, acc);
+            scores_of<HEAD_DIM>(qf, k_head, table, first, len, s, scores);
+            softmax_rows(scores, s.group_size, len - first, len - first, head_sinks);
+            weighted_values<HEAD_DIM>(scores, v_head, table, first, len, s, acc);
         }
         for (int64_t i = 0; i < width; i++) store(out[item * width + i], acc[i]);
     }
@@ -213,21 +224,22 @@ void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const
 
 template <typename T>
 void paged_decode_any(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
-                      const Shape &s, float scale, int num_threads) {
+                      const Shape &s, float scale, const float *sinks, int num_threads) {
     switch (s.head_dim) {
-        case 64: return paged_decode<64>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
-        case 96: return paged_decode<96>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
-        case 128: return paged_decode<128>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
-        default: return paged_decode<0>(q, cache, block_tables, seq_lens, out, s, scale, num_threads);
+        case 64: return paged_decode<64>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
+        case 96: return paged_decode<96>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
+        case 128: return paged_decode<128>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
+        default: return paged_decode<0>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
     }
 }
 
 }  // namespace
 
+// sinks: float32 [num_kv_heads * group_size], or nullptr.
 #define EXPORT(NAME, T)                                                                                   \
     extern "C" void NAME(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, \
-                         T *out, Shape shape, float scale, int num_threads) {                              \
-        paged_decode_any(q, cache, block_tables, seq_lens, out, shape, scale, num_threads);                \
+                         T *out, Shape shape, float scale, const float *sinks, int num_threads) {          \
+        paged_decode_any(q, cache, block_tables, seq_lens, out, shape, scale, sinks, num_threads);         \
     }
 EXPORT(paged_decode_f32, float)
 EXPORT(paged_decode_bf16, BF16)
