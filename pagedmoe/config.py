@@ -43,6 +43,7 @@ class EngineConfig:
     cpu_linear_kernel: bool = True  # CPU: decode-sized float32 linears run on a C++ tile GEMM (built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
+    quantization_mode: str = "packed"  # 4-bit checkpoints on CPU: "packed" (kept 4-bit) or "dequantize" (exact)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -60,6 +61,8 @@ class EngineConfig:
     def _check_choices(self):
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.quantization_mode not in ("packed", "dequantize"):
+            raise ValueError(f"quantization_mode must be 'packed' or 'dequantize', got {self.quantization_mode!r}")
         if self.kv_allocation not in ("paged", "static"):
             raise ValueError(f"kv_allocation must be 'paged' or 'static', got {self.kv_allocation!r}")
         if self.kv_allocation == "static":

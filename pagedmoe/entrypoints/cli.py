@@ -60,6 +60,13 @@ def cmd_bench(args):
     bench_main(["-h"] if args.bench_help else args.bench_args)
 
 
+def cmd_quantize(args):
+    from pagedmoe.layers.quantization.quantize import quantize_checkpoint
+    stats = quantize_checkpoint(args.src, args.dst, args.format)
+    print(f"{args.dst}: {stats['quantized']} tensors quantized to {args.format}, "
+          f"{stats['bytes_before'] / 2**20:.1f} MiB -> {stats['bytes_after'] / 2**20:.1f} MiB")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmoe", description="MoE + PagedAttention inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a live /dashboard")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    quantize = sub.add_parser("quantize", help="write a checkpoint's weights as MXFP4, NVFP4 or FP8")
+    quantize.add_argument("--format", required=True, choices=("mxfp4", "nvfp4", "fp8"),
+                          help="mxfp4: gpt-oss's experts, as OpenAI ships them; nvfp4: NVIDIA ModelOpt's (weights "
+                               "only); fp8: DeepSeek-V3's 128x128 blocks")
+    quantize.add_argument("src", help="a float checkpoint directory (safetensors)")
+    quantize.add_argument("dst", help="the directory to write")
+    quantize.set_defaults(func=cmd_quantize)
     bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.add_argument("-h", "--help", dest="bench_help", action="store_true")

@@ -5,6 +5,8 @@ from torch import nn
 from pagedmoe.cpu_info import can_prepack_bf16
 from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.activation import silu_and_mul
+from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
+from pagedmoe.layers.quantization.fp4_linear import fp4_linear
 
 PACK_MIN_BYTES = 1 << 20  # smaller weights stay in a core's L2, where MKL's per-call packing is cheap and
 #                           oneDNN's call overhead (~11 us more at one row) is not
@@ -29,14 +31,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on a pre-packed copy of its weight (`pack`, after the weights are loaded)."""
+    """nn.Linear that can run on a pre-packed copy of its weight (`pack`, after the weights are loaded), or on
+    a 4-bit one from the checkpoint (`set_fp4`), which replaces the dense weight."""
 
     packed_weight: torch.Tensor | None = None
     cpu_kernel: cpu_linear.CpuLinear | None = None
     cpu_kernel_kind = "linear"
+    fp4: PackedFp4Weight | None = None
+
+    def set_fp4(self, weight: PackedFp4Weight):
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"4-bit weight of shape {weight.shape} for a {tuple(self.weight.shape)} linear layer")
+        self.fp4 = weight
+        self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)
 
     def pack(self, min_bytes: int = 0):
-        if can_pack(self.weight) and nbytes(self.weight) >= min_bytes:
+        if self.fp4 is None and can_pack(self.weight) and nbytes(self.weight) >= min_bytes:
             self.packed_weight = pack_weight(self.weight)
 
     gated = False  # GateUpLinear: the kernel applies silu(gate) * up itself
@@ -45,6 +55,8 @@ class Linear(nn.Linear):
         """Runs decode-sized inputs through the CPU tile-GEMM kernel and larger ones through MKL (as fast as
         oneDNN's packed copy there), so the weight is held twice, not three times. False where it does not
         apply (dtype, shape, a weight under min_bytes)."""
+        if self.fp4 is not None:
+            return False
         panel = cpu_linear.load_library().linear_panel()
         if cpu_linear.unsupported_reason(self.weight, panel) or nbytes(self.weight) < min_bytes:
             return False
@@ -57,6 +69,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp4 is not None:
+            return fp4_linear(x, self.fp4, self.bias)
         if self.cpu_kernel is not None and self.cpu_kernel.fits(x):
             return self.cpu_kernel(x, self.bias)
         if self.packed_weight is None:
@@ -74,12 +88,23 @@ class MergedLinear(Linear):
             self.shard_offsets[shard] = (offset, size)
             offset += size
 
-    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor):
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor | PackedFp4Weight):
         offset, size = self.shard_offsets[shard]
+        if isinstance(tensor, PackedFp4Weight):
+            return self.load_fp4_shard(shard, tensor)
         target = getattr(self, param_name)
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}.{param_name}: expected {size} rows, got {tuple(tensor.shape)}")
         target.data[offset:offset + size].copy_(tensor)
+
+    def load_fp4_shard(self, shard: str, weight: PackedFp4Weight):
+        """4-bit shards are kept until all have loaded, then joined in row order into one packed weight."""
+        if weight.shape[0] != self.shard_offsets[shard][1]:
+            raise ValueError(f"shard {shard}: expected {self.shard_offsets[shard][1]} rows, got {weight.shape}")
+        self.fp4_shards = {**getattr(self, "fp4_shards", {}), shard: weight}
+        if len(self.fp4_shards) == len(self.shard_offsets):
+            self.set_fp4(PackedFp4Weight.cat([self.fp4_shards[name] for name in self.shard_offsets]))
+            del self.fp4_shards
 
 
 class GateUpLinear(MergedLinear):

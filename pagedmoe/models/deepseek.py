@@ -98,6 +98,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
     """Layers past num_hidden_layers in a checkpoint (the multi-token-prediction module) are not loaded."""
+    takes_fp4_packed = False  # MLA's projections load by their own rules: 4-bit weights are decoded
 
     def __init__(self, config):
         if config.hidden_act != "silu":

@@ -5,6 +5,7 @@ from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.attention.torch_backend import TorchPagedAttention
 from pagedmoe.layers.linear import GateUpLinear, Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
+from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 # HF projection name -> (our merged module, shard)
@@ -88,6 +89,7 @@ class DecoderForCausalLM(nn.Module):
     """Llama-family decoder (Llama, Qwen2, Qwen3). MoE families reuse it by overriding `make_mlp`."""
     qk_norm: str | None = None
     attention_sinks = False
+    takes_fp4_packed = True  # load_weight takes PackedFp4Weight for linear layers and experts
     weight_renames: dict[str, str] = {}
 
     def __init__(self, config):
@@ -156,6 +158,8 @@ class DecoderForCausalLM(nn.Module):
 
 
 def _copy_param(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, PackedFp4Weight):
+        return _set_fp4(model, name, tensor)
     try:
         param = model.get_parameter(name)
     except AttributeError:
@@ -163,6 +167,18 @@ def _copy_param(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
     if param.shape != tensor.shape:
         raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
     param.data.copy_(tensor)
+    return True
+
+
+def _set_fp4(model: nn.Module, name: str, weight: PackedFp4Weight) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    if leaf != "weight" or not hasattr(module, "set_fp4"):
+        raise ValueError(f"{name}: a 4-bit weight for a layer that cannot hold one")
+    module.set_fp4(weight)
     return True
 
 

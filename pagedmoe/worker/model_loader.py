@@ -4,10 +4,11 @@ import os
 from glob import glob
 
 import torch
-from safetensors import safe_open
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
+from pagedmoe.layers.quantization.checkpoint import checkpoint_tensors
+from pagedmoe.layers.quantization.config import read_quantization_config
 from pagedmoe.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     cls = resolve_model_class(config.hf_config)
     with torch.device(config.device):
         model = cls(config.hf_config)
-    num_loaded = load_weights(model, config.model)
-    num_expected = num_weight_elements(model)
+    quant = read_quantization_config(config.model, config.hf_config)
+    num_expected = num_weight_elements(model)  # before packed 4-bit layers drop their dense weights
+    num_loaded = load_weights(model, config.model, quant, keeps_fp4_packed(model, config))
     if num_loaded != num_expected:
         raise ValueError(f"model: checkpoint in {config.model!r} filled {num_loaded} of {num_expected} "
                          "weight elements; weights are missing or duplicated")
@@ -61,13 +63,18 @@ def num_weight_elements(model: torch.nn.Module) -> int:
     return sum(t.numel() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
 
 
-def load_weights(model: torch.nn.Module, model_dir: str) -> int:
-    """Every tensor of the directory's safetensors offered to model.load_weight; the elements it took."""
+def keeps_fp4_packed(model: torch.nn.Module, config: EngineConfig) -> bool:
+    """quantization_mode "packed" (the default): 4-bit weights stay packed, on CPU, in the models that take
+    them; elsewhere they are decoded to the model's dtype as they load."""
+    packed = config.quantization_mode == "packed" and torch.device(config.device).type == "cpu"
+    return packed and getattr(model, "takes_fp4_packed", False)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, quant=None, packed: bool = False) -> int:
+    """Every tensor of the directory's safetensors offered to model.load_weight (quantized weights decoded to
+    float32 first, or 4-bit ones kept packed, see layers/quantization); the elements it took."""
     num_loaded = 0
-    for path in weight_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if model.load_weight(name, tensor):
-                    num_loaded += tensor.numel()
+    for name, tensor in checkpoint_tensors(weight_files(model_dir), quant, packed):
+        if model.load_weight(name, tensor):
+            num_loaded += sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel()
     return num_loaded

@@ -7,10 +7,12 @@ from torch import Tensor, nn
 
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
 from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, load_library, unsupported_reason
-from pagedmoe.layers.moe.fused_moe import expert_counts, fused_experts
+from pagedmoe.layers.moe.fused_moe import ACTIVATIONS, expert_counts, fused_experts, looped_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
 from pagedmoe.layers.moe.weight_utils import copy_weight
+from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
+from pagedmoe.layers.quantization.fp4_linear import fp4_linear
 
 PER_EXPERT_NAME = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 GATE_PROJS, UP_PROJS = ("w1", "gate_proj"), ("w3", "up_proj")
@@ -32,6 +34,18 @@ def from_gpt_oss_layout(name: str, tensor: Tensor) -> Tensor:
     if name == "experts.down_proj":
         return tensor.transpose(1, 2)
     return tensor
+
+
+def deinterleave_index(rows: int) -> Tensor:
+    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+
+
+def find_part(parts: dict, expert: int, names: tuple[str, ...]) -> PackedFp4Weight | None:
+    return next((parts[(expert, n)] for n in names if (expert, n) in parts), None)
+
+
+def join_gate_up(gate: PackedFp4Weight | None, up: PackedFp4Weight | None) -> PackedFp4Weight | None:
+    return None if gate is None or up is None else PackedFp4Weight.cat([gate, up])
 
 
 class FusedMoE(nn.Module):
@@ -56,8 +70,11 @@ class FusedMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
 
     packed_experts: tuple[list[Tensor], list[Tensor]] | None = None
+    fp4_experts: tuple[list[PackedFp4Weight], list[PackedFp4Weight]] | None = None  # 4-bit, from the checkpoint
 
     def pack(self, min_bytes: int = 0):
+        if self.fp4_experts is not None:
+            return
         if can_pack(self.w13[0]) and can_pack(self.w2[0]) and nbytes(self.w2[0]) >= min_bytes:
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
 
@@ -68,6 +85,8 @@ class FusedMoE(nn.Module):
         """Runs decode-sized batches through the CPU fused-MoE kernel, and larger ones through the unpacked
         expert loop (as fast as oneDNN's packed copies there), so the weights are held twice, not three times.
         False where the kernel does not apply (activation, biases, shapes)."""
+        if self.fp4_experts is not None:
+            return False
         panel = load_library().fused_moe_panel()
         if self.activation != "silu" or self.w13_bias is not None or unsupported_reason(self.w13, self.w2, panel):
             return False
@@ -77,6 +96,9 @@ class FusedMoE(nn.Module):
         return True
 
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.fp4_experts is not None:
+            return looped_experts(x, *self.fp4_experts, topk_weights, topk_ids, ACTIVATIONS[self.activation],
+                                  self.w13_bias, self.w2_bias, fp4_linear).to(x.dtype)
         if self.cpu_experts is not None:
             if self.cpu_experts.fits(x, topk_ids):
                 return self.cpu_experts(x, topk_weights, topk_ids).to(x.dtype)
@@ -112,6 +134,8 @@ class FusedMoE(nn.Module):
 
     def load_weight(self, name: str, tensor: Tensor) -> bool:
         """Load one checkpoint tensor named relative to the MoE block; False if the name is unknown."""
+        if isinstance(tensor, (PackedFp4Weight, list)):
+            return self.load_fp4(name, tensor)
         if match := PER_EXPERT_NAME.fullmatch(name):
             copy_weight(self.expert_shard(int(match[1]), match[2]), tensor, name)
             return True
@@ -123,6 +147,38 @@ class FusedMoE(nn.Module):
         if name.startswith("shared_experts.") and self.shared_experts is not None:
             return self.shared_experts.load_weight(name.removeprefix("shared_experts."), tensor)
         return self.load_own(name, tensor)
+
+    def load_fp4(self, name: str, weight: PackedFp4Weight | list[PackedFp4Weight]) -> bool:
+        """4-bit experts: gpt-oss's fused ones (a list, gate and up rows interleaved), or one expert's
+        projection at a time; the experts switch to them once every projection has loaded."""
+        parts = self.__dict__.setdefault("fp4_parts", {})
+        if name in ("experts.gate_up_proj", "experts.down_proj"):
+            if self.activation == "swigluoai" and name == "experts.gate_up_proj":
+                weight = [w.rows(deinterleave_index(w.shape[0])) for w in weight]
+            parts.update({(e, "w13" if "gate_up" in name else "w2"): w for e, w in enumerate(weight)})
+        elif match := PER_EXPERT_NAME.fullmatch(name):
+            parts[(int(match[1]), match[2])] = weight
+        else:
+            return False
+        self.set_fp4_if_complete(parts)
+        return True
+
+    def set_fp4_if_complete(self, parts: dict):
+        w13, w2 = [], []
+        for e in range(self.num_experts):
+            gate, up = find_part(parts, e, GATE_PROJS), find_part(parts, e, UP_PROJS)
+            gate_up = parts.get((e, "w13")) or join_gate_up(gate, up)
+            down = parts.get((e, "w2")) or find_part(parts, e, ("w2", "down_proj"))
+            if gate_up is None or down is None:
+                return
+            w13.append(gate_up)
+            w2.append(down)
+        expected = (tuple(self.w13.shape[1:]), tuple(self.w2.shape[1:]))
+        if (w13[0].shape, w2[0].shape) != expected:
+            raise ValueError(f"4-bit experts of shapes {w13[0].shape} and {w2[0].shape}, expected {expected}")
+        self.fp4_experts, self.fp4_parts = (w13, w2), {}
+        self.w13 = nn.Parameter(torch.empty(0, device=self.w13.device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, device=self.w2.device), requires_grad=False)
 
     def load_own(self, name: str, tensor: Tensor) -> bool:
         params = dict(self.named_parameters()) | dict(self.named_buffers())
