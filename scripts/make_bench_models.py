@@ -11,6 +11,9 @@ bf16 checkpoint, for what `--dtype auto` picks on each CPU). For speculative dec
 OUT_DIR/qwen3-100m-draft, a 2-layer Qwen3 of hidden 256 with its vocabulary, and OUT_DIR/qwen3-100m-eagle3, an
 EAGLE-3 head for it as `pagedmoe.train eagle3` exports one, untrained. Both have random weights, so their
 drafts are rarely accepted: they measure what drafting costs, and what the adaptive switch saves of it.
+OUT_DIR/gpt-oss-200m is gpt-oss-shaped (hidden 576, 10 layers alternating a 128-token window and full
+attention, 9 heads / 3 KV heads of 64 with sinks, 16 experts of intermediate 576, top-4, vocab 32000, untied):
+203M parameters, 66M active, for `pagedmoe bench quantization`.
 """
 import os
 import sys
@@ -32,6 +35,13 @@ def qwen3_moe_config() -> transformers.Qwen3MoeConfig:
                                        norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=12,
                                        num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
                                        tie_word_embeddings=True, eos_token_id=None)
+
+
+def gpt_oss_200m_config() -> transformers.GptOssConfig:
+    return transformers.GptOssConfig(vocab_size=32000, hidden_size=576, intermediate_size=576, num_hidden_layers=10,
+                                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_local_experts=16,
+                                     num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
+                                     tie_word_embeddings=False, eos_token_id=None)
 
 
 def save_tokenizer(vocab_size: int, path: str):
@@ -74,3 +84,4 @@ if __name__ == "__main__":
     save(qwen3_100m_config(), os.path.join(out, "qwen3-100m-bf16"), dtype=torch.bfloat16)
     save(draft_config(), os.path.join(out, "qwen3-100m-draft"), seed=1)
     save_eagle3_head(os.path.join(out, "qwen3-100m"), os.path.join(out, "qwen3-100m-eagle3"))
+    save(gpt_oss_200m_config(), os.path.join(out, "gpt-oss-200m"))

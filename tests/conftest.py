@@ -87,6 +87,36 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def pagedmoe_greedy(path: str, prompts: list[list[int]], num_new: int, **kwargs) -> list[list[int]]:
+    """pagedmoe's float32 greedy tokens for token-id prompts; the pool is checked free afterwards."""
+    from pagedmoe import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def pagedmoe_prompt_logprobs(path: str, prompts: list[list[int]], **kwargs) -> list[list[float]]:
+    """Each prompt token's logprob after the tokens before it, from pagedmoe in float32."""
+    from pagedmoe import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **kwargs)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    return [[out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))] for p, out in zip(prompts, outputs)]
+
+
+def max_logprob_error(hf_model, prompts: list[list[int]], logprobs: list[list[float]]) -> float:
+    """The largest difference between those logprobs and HF's for the same prompts."""
+    errors = []
+    for prompt, row in zip(prompts, logprobs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+        errors += [abs(lp - ref[i, prompt[i + 1]].item()) for i, lp in enumerate(row)]
+    return max(errors)
+
+
 def assert_all_blocks_free(engine: LLMEngine):
     assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

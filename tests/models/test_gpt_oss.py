@@ -3,10 +3,10 @@ matters within every prompt, and a 20-token one that crosses block boundaries), 
 clamped SwiGLU experts and YaRN RoPE. Greedy tokens through prefill, chunked prefill, forced preemption and
 the PyTorch decode path, and prompt logprobs."""
 import pytest
-import torch
 import transformers
 
-from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model
+from conftest import (VOCAB, hf_greedy, make_prompts, max_logprob_error, pagedmoe_greedy, pagedmoe_prompt_logprobs,
+                      save_random_model)
 from pagedmoe import LLM, SamplingParams
 
 NUM_NEW = 32
@@ -39,27 +39,21 @@ def gpt_oss_reference(request, tmp_path_factory):
                                       dict(cpu_attention_kernel=False)])
 def test_gpt_oss_greedy_matches_hf(gpt_oss_reference, scenario):
     path, _, prompts, expected = gpt_oss_reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **scenario)
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    if "num_kv_blocks" in scenario:
-        assert llm.engine.get_stats().num_preemptions_recompute > 0
-    assert_all_blocks_free(llm.engine)
+    assert pagedmoe_greedy(path, prompts, NUM_NEW, **scenario) == expected
+
+
+def test_forced_preemption_happens(gpt_oss_reference):
+    path, _, prompts, _ = gpt_oss_reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12, preemption_mode="recompute")
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NUM_NEW, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.engine.get_stats().num_preemptions_recompute > 0
 
 
 def test_gpt_oss_prompt_logprobs_match_hf(gpt_oss_reference):
     path, model, prompts, _ = gpt_oss_reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=24)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
-                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-        diffs = [abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item())
-                 for i in range(1, len(prompt))]
-        assert max(diffs) < 1e-4
-    assert_all_blocks_free(llm.engine)
+    logprobs = pagedmoe_prompt_logprobs(path, prompts[:4], max_num_batched_tokens=24)
+    assert max_logprob_error(model, prompts[:4], logprobs) < 1e-4
 
 
 @pytest.mark.parametrize("dropped", ["window", "sinks"])

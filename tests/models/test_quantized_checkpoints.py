@@ -12,7 +12,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, max_logprob_error, pagedmoe_greedy,
+                      pagedmoe_prompt_logprobs, save_random_model, tiny_dense_config)
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.entrypoints.cli import main as cli_main
 from pagedmoe.layers.quantization import fp4_linear
@@ -62,31 +63,17 @@ def write_twin(src: str, dst: str, fmt: str):
               os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
-def pagedmoe_greedy(path: str, **kwargs) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **{"quantization_mode": "dequantize", **kwargs})
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert_all_blocks_free(llm.engine)
-    return [o.outputs[0].token_ids for o in outputs]
+def greedy(path: str, **kwargs) -> list[list[int]]:
+    return pagedmoe_greedy(path, PROMPTS, NUM_NEW, **{"quantization_mode": "dequantize", **kwargs})
 
 
 def prompt_logprobs(path: str, mode: str = "dequantize") -> list[list[float]]:
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=24, quantization_mode=mode)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
-                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    assert_all_blocks_free(llm.engine)
-    return [[out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))] for p, out in zip(PROMPTS, outputs)]
-
-
-def assert_prompt_logprobs_match(path: str, hf_model):
-    for prompt, logprobs in zip(PROMPTS, prompt_logprobs(path)):
-        with torch.no_grad():
-            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], dim=-1)
-        assert max(abs(lp - ref[i, prompt[i + 1]].item()) for i, lp in enumerate(logprobs)) < 1e-4
+    return pagedmoe_prompt_logprobs(path, PROMPTS[:3], max_num_batched_tokens=24, quantization_mode=mode)
 
 
 CASES = {  # name: (config, format, HF loads the quantized checkpoint itself)
     "gpt_oss_mxfp4": (gpt_oss_config, "mxfp4", True),
+    "gpt_oss_nvfp4": (gpt_oss_config, "nvfp4", False),
     "qwen3_nvfp4": (lambda: tiny_dense_config("qwen3"), "nvfp4", False),
     "llama_nvfp4": (lambda: tiny_dense_config("llama"), "nvfp4", False),
     "qwen3_moe_nvfp4": (qwen3_moe_config, "nvfp4", False),
@@ -125,12 +112,12 @@ def quantized(request, tmp_path_factory):
                                       dict(num_kv_blocks=12, preemption_mode="recompute")])
 def test_quantized_greedy_matches_hf(quantized, scenario):
     path, _, expected = quantized
-    assert pagedmoe_greedy(path, **scenario) == expected
+    assert greedy(path, **scenario) == expected
 
 
 def test_quantized_prompt_logprobs_match_hf(quantized):
     path, hf, _ = quantized
-    assert_prompt_logprobs_match(path, hf)
+    assert max_logprob_error(hf, PROMPTS[:3], prompt_logprobs(path)) < 1e-4
 
 
 def corrupt(path, name: str, value: float | None):
@@ -197,8 +184,8 @@ def test_packed_4bit_is_close_to_dequantize_mode(quantized):
     diffs = [abs(a - b) for exact, packed in zip(prompt_logprobs(path, "dequantize"), prompt_logprobs(path, "packed"))
              for a, b in zip(exact, packed)]
     assert sum(diffs) / len(diffs) < PACKED_MEAN_TOL and max(diffs) < PACKED_MAX_TOL
-    greedy = pagedmoe_greedy(path, quantization_mode="packed")
-    agreement = [first_divergence(g, e) for g, e in zip(greedy, expected)]
+    packed = greedy(path, quantization_mode="packed")
+    agreement = [first_divergence(g, e) for g, e in zip(packed, expected)]
     print(f"{quantized_case(path)}: packed greedy follows HF's for {agreement} of {NUM_NEW} tokens")
     assert all(a > 0 for a in agreement)  # every prompt's first token (the prefill's argmax) agrees
 
@@ -209,11 +196,8 @@ def test_packed_4bit_weights_are_exact_through_the_float_path(quantized, monkeyp
     NVFP4's per-row scale_2) decode to exactly what dequantize mode holds: HF's tokens and logprobs."""
     monkeypatch.setattr(fp4_linear, "MAX_DOT_ROWS", 0)
     path, hf, expected = quantized
-    assert pagedmoe_greedy(path, quantization_mode="packed") == expected
-    for prompt, logprobs in zip(PROMPTS, prompt_logprobs(path, "packed")):
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
-        assert max(abs(lp - ref[i, prompt[i + 1]].item()) for i, lp in enumerate(logprobs)) < 1e-4
+    assert greedy(path, quantization_mode="packed") == expected
+    assert max_logprob_error(hf, PROMPTS[:3], prompt_logprobs(path, "packed")) < 1e-4
 
 
 @pytest.mark.parametrize("quantized", FP4_CASES, indirect=True)

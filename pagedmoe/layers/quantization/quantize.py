@@ -26,15 +26,14 @@ FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def plan(fmt: str, name: str, tensor: torch.Tensor, model_type: str) -> str | None:
-    """How a tensor is written: "mxfp4_experts", "experts" (fused, split per expert), "linear" or None (as is)."""
+    """How a tensor is written: "mxfp4_experts", "experts" / "gpt_oss_experts" (fused, split per expert),
+    "linear" or None (as is)."""
     quant = QuantizationConfig(fmt, DEFAULT_EXCLUDE[fmt])
     fused = name.endswith(FUSED_EXPERTS) and tensor.dim() == 3
     if fmt == "mxfp4":
         return "mxfp4_experts" if fused and model_type == "gpt_oss" else None
-    if fused and model_type == "gpt_oss":
-        raise ValueError(f"{name}: gpt-oss's experts ship in MXFP4; quantize them with --format mxfp4")
     if fused:
-        return "experts"
+        return "gpt_oss_experts" if model_type == "gpt_oss" else "experts"
     module, _, leaf = name.rpartition(".")
     if leaf != "weight" or tensor.dim() != 2 or ".layers." not in f".{module}" or quant.is_excluded(module):
         return None
@@ -58,13 +57,23 @@ def expert_matrices(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
             for proj, w in (("gate_proj", tensor[e, :half]), ("up_proj", tensor[e, half:]))}
 
 
+def gpt_oss_expert_matrices(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's fused [E, in, out] experts (gate and up interleaved along out) as experts.E.{gate,up,down}_proj
+    [out, in] matrices."""
+    prefix = name.rsplit(".", 1)[0]
+    if name.endswith("down_proj"):
+        return {f"{prefix}.{e}.down_proj": w.T for e, w in enumerate(tensor)}
+    return {f"{prefix}.{e}.{proj}": w[:, first::2].T for e, w in enumerate(tensor)
+            for proj, first in (("gate_proj", 0), ("up_proj", 1))}
+
+
 def quantize_tensor(fmt: str, name: str, tensor: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
     kind = plan(fmt, name, tensor, model_type)
     if kind == "mxfp4_experts":
         blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))
         return {name + "_blocks": blocks, name + "_scales": scales}
-    if kind == "experts":
-        matrices = expert_matrices(name, tensor)
+    if kind in ("experts", "gpt_oss_experts"):
+        matrices = (expert_matrices if kind == "experts" else gpt_oss_expert_matrices)(name, tensor)
         return {k: v for module, w in matrices.items() for k, v in quantize_linear(fmt, module, w).items()}
     if kind == "linear":
         return quantize_linear(fmt, name.rsplit(".", 1)[0], tensor)
@@ -86,6 +95,13 @@ def round_trip(fmt: str, name: str, tensor: torch.Tensor, model_type: str) -> to
     if kind == "experts":
         half = tensor.shape[1] // 2 if name.endswith("gate_up_proj") else tensor.shape[1]
         return torch.stack([torch.cat([round_trip_matrix(fmt, part) for part in w.split(half)]) for w in tensor])
+    if kind == "gpt_oss_experts":
+        out = tensor.float().clone()
+        for e, w in enumerate(tensor):
+            for first in (0, 1) if name.endswith("gate_up_proj") else (None,):
+                columns = slice(first, None, 2) if first is not None else slice(None)
+                out[e][:, columns] = round_trip_matrix(fmt, w[:, columns].T).T
+        return out
     return round_trip_matrix(fmt, tensor) if kind == "linear" else tensor
 
 
