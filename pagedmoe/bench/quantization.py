@@ -24,7 +24,9 @@ FORMS = ("float32", "bfloat16", "mxfp4", "nvfp4")
 
 def storages(value, seen: dict[int, int], depth: int = 0):
     """Adds every tensor's storage reachable from value (containers and plain objects, a few levels deep)."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and value.is_mkldnn:  # oneDNN's packed copies: no storage to share
+        seen[id(value)] = value.numel() * value.element_size()
+    elif isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     elif depth < 4 and isinstance(value, (list, tuple)):

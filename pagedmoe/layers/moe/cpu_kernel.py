@@ -41,6 +41,13 @@ class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("num_tokens", "top_k", "num_experts", "hidden", "inter")]
 
 
+class Epilogue(ctypes.Structure):
+    _fields_ = [("activation", ctypes.c_int64), ("b13", ctypes.c_void_p), ("b2", ctypes.c_void_p)]
+
+
+KERNEL_ACTIVATIONS = ("silu", "swigluoai")
+
+
 def unsupported_reason(w13: Tensor, w2: Tensor, panel: int) -> str | None:
     if w13.dtype not in ENTRY_POINTS or w2.dtype != w13.dtype or w13.device.type != "cpu":
         return f"the CPU MoE kernel runs float32 and bfloat16 CPU weights, got {w13.dtype} on {w13.device}"
@@ -51,14 +58,21 @@ def unsupported_reason(w13: Tensor, w2: Tensor, panel: int) -> str | None:
 
 
 class CpuFusedMoE:
-    """out = sum over each token's top-k experts of weight * silu(x W1^T) * (x W3^T) W2^T, in float32,
-    from copies of w13 [E, 2I, H] and w2 [E, H, I] packed at construction."""
+    """out = sum over each token's top-k experts of weight * (act(x W13^T + b13) W2^T + b2), in float32, from
+    copies of w13 [E, 2I, H] and w2 [E, H, I] (and the biases, where given) packed at construction; act is
+    silu(gate) * up or gpt-oss's swigluoai."""
 
-    def __init__(self, w13: Tensor, w2: Tensor, library: ctypes.CDLL | None = None):
+    def __init__(self, w13: Tensor, w2: Tensor, library: ctypes.CDLL | None = None, activation: str = "silu",
+                 w13_bias: Tensor | None = None, w2_bias: Tensor | None = None):
         library = library if library is not None else load_library()
         panel = library.fused_moe_panel()
         if reason := unsupported_reason(w13, w2, panel):
             raise ValueError(reason)
+        if activation not in KERNEL_ACTIVATIONS:
+            raise ValueError(f"activation: the CPU MoE kernel runs {KERNEL_ACTIVATIONS}, got {activation!r}")
+        self.b13 = None if w13_bias is None else pack_gate_up(w13_bias.detach().float()[..., None], panel).flatten(1)
+        self.b2 = None if w2_bias is None else w2_bias.detach().float().contiguous()
+        self.epilogue = Epilogue(KERNEL_ACTIVATIONS.index(activation), ptr(self.b13).value, ptr(self.b2).value)
         self.fn = getattr(library, ENTRY_POINTS[w13.dtype])
         self.fn.restype = None
         self.num_experts, self.hidden, self.inter = w2.shape
@@ -84,7 +98,8 @@ class CpuFusedMoE:
         weights = topk_weights.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         shape = Shape(x.shape[0], ids.shape[1], self.num_experts, self.hidden, self.inter)
-        self.fn(*map(ptr, (x, ids, weights, self.w13, self.w2, out)), shape, num_threads())
+        self.fn(*map(ptr, (x, ids, weights, self.w13, self.w2, out)), shape, ctypes.byref(self.epilogue),
+                num_threads())
         return out
 
 

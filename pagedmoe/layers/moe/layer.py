@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
-from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE, load_library, unsupported_reason
+from pagedmoe.layers.moe.cpu_kernel import KERNEL_ACTIVATIONS, CpuFusedMoE, load_library, unsupported_reason
 from pagedmoe.layers.moe.fused_moe import ACTIVATIONS, expert_counts, fused_experts, looped_experts
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
@@ -88,11 +88,13 @@ class FusedMoE(nn.Module):
         if self.fp4_experts is not None:
             return False
         panel = load_library().fused_moe_panel()
-        if self.activation != "silu" or self.w13_bias is not None or unsupported_reason(self.w13, self.w2, panel):
+        if self.activation not in KERNEL_ACTIVATIONS or unsupported_reason(self.w13, self.w2, panel):
             return False
         if nbytes(self.w2[0]) < min_bytes:
             return False
-        self.cpu_experts, self.packed_experts = CpuFusedMoE(self.w13, self.w2), None
+        self.cpu_experts = CpuFusedMoE(self.w13, self.w2, activation=self.activation, w13_bias=self.w13_bias,
+                                       w2_bias=self.w2_bias)
+        self.packed_experts = None
         return True
 
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
@@ -102,7 +104,8 @@ class FusedMoE(nn.Module):
         if self.cpu_experts is not None:
             if self.cpu_experts.fits(x, topk_ids):
                 return self.cpu_experts(x, topk_weights, topk_ids).to(x.dtype)
-            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, use_grouped_mm=False)
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, self.w13_bias,
+                                 self.w2_bias, use_grouped_mm=False)
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
                              self.w13_bias, self.w2_bias, packed=self.packed_experts)
 

@@ -28,9 +28,16 @@ def make_problem(num_tokens, top_k, dtype, seed=0):
     return x, w13, w2, topk_weights, topk_ids
 
 
-def exact(x, w13, w2, topk_weights, topk_ids):
-    args = (x.double(), w13.double(), w2.double(), topk_weights.double(), topk_ids)
-    return fused_experts(*args, use_grouped_mm=False).float()
+def exact(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None):
+    args = (x.double(), w13.double(), w2.double(), topk_weights.double(), topk_ids, activation)
+    biases = [None if b is None else b.double() for b in (w13_bias, w2_bias)]
+    return fused_experts(*args, *biases, use_grouped_mm=False).float()
+
+
+def expert_biases(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_EXPERTS, 2 * INTER, generator=g).to(dtype), torch.randn(NUM_EXPERTS, HIDDEN,
+                                                                                   generator=g).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,6 +50,21 @@ def test_matches_the_exact_expert_loop(target, dtype):
         out = CpuFusedMoE(w13, w2, library)(x, topk_weights, topk_ids)
         assert out.dtype == torch.float32 and out.shape == (num_tokens, HIDDEN)
         torch.testing.assert_close(out, exact(x, w13, w2, topk_weights, topk_ids), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", x86_targets())
+def test_gpt_oss_experts_match_the_exact_expert_loop(target, dtype):
+    """swigluoai (clamped at 7, (up + 1) * gate * sigmoid(1.702 gate)) with both biases, the inputs scaled so
+    that the clamps act; and silu with biases."""
+    library = cpu_kernel.load_library(march=target)
+    for activation, (num_tokens, top_k) in [("swigluoai", (1, 1)), ("swigluoai", (23, 3)), ("silu", (8, 2))]:
+        x, w13, w2, topk_weights, topk_ids = make_problem(num_tokens, top_k, dtype, seed=num_tokens)
+        x, (b13, b2) = x * 4, expert_biases(dtype, seed=num_tokens)
+        out = CpuFusedMoE(w13, w2, library, activation, b13, b2)(x, topk_weights, topk_ids)
+        expected = exact(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+        tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(out, expected, **tolerance)
 
 
 def test_ids_outside_the_experts_contribute_nothing():
@@ -135,10 +157,21 @@ def record_calls(fn, calls):
     return wrapped
 
 
-@pytest.mark.parametrize("kwargs", [dict(activation="swigluoai"), dict(expert_bias=True)])
-def test_layers_it_cannot_run_keep_the_expert_loop(kwargs):
+@pytest.mark.parametrize("kwargs", [dict(activation="swigluoai", expert_bias=True), dict(expert_bias=True)])
+def test_gpt_oss_layers_run_on_the_kernel(kwargs):
+    torch.manual_seed(0)
     layer = moe_layer(**kwargs)
-    assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 0 and layer.cpu_experts is None
+    x = torch.randn(5, HIDDEN) * 4
+    with torch.inference_mode():
+        expected = layer(x)
+        assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1 and layer.cpu_experts is not None
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_activations_are_refused():
+    _, w13, w2, _, _ = make_problem(2, 1, torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        CpuFusedMoE(w13, w2, activation="gelu")
 
 
 def test_native_build_matches_the_cpu():

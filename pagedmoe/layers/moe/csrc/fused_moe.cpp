@@ -2,8 +2,10 @@
 // the step is bound by streaming the active experts' weights: each is read from memory once per call.
 //   1. bucket the (token, slot) pairs by expert (serial, microseconds);
 //   2. w13: tasks of (expert, group of panels) shared by the threads; each panel holds PANEL / 2 gate columns
-//      and the matching up columns, so silu(gate) * up is applied to the float32 tile while it is in registers;
-//   3. w2: the same over the hidden columns, one float32 row per pair;
+//      and the matching up columns, so the activation (silu(gate) * up, or gpt-oss's clamped
+//      (up + 1) * gate * sigmoid(1.702 gate), biases first where the experts have them) is applied to the
+//      float32 tile while it is in registers;
+//   3. w2: the same over the hidden columns (plus the expert's down bias), one float32 row per pair;
 //   4. out[t] = sum over t's slots of router weight * row, in float32.
 // Weights are packed by pagedmoe/layers/moe/cpu_kernel.py as [experts, N / PANEL, K, PANEL], so a tile's
 // weights are one contiguous stream. Plain C++ with GCC vector types: the compiler emits AVX-512 or AVX2
@@ -23,6 +25,28 @@ constexpr int64_t TASK_BYTES = 512 * 1024;  // weights per task: small enough fo
 struct Shape {
     int64_t num_tokens, top_k, num_experts, hidden, inter;
 };
+
+// What follows each expert's matmuls: the activation, and biases (float32, or null): b13 [experts, 2 * inter] in
+// the packed panels' column order (each panel's gate columns, then its up columns), b2 [experts, hidden].
+struct Epilogue {
+    int64_t activation;  // 0: silu(gate) * up; 1: gpt-oss's swigluoai
+    const float *b13, *b2;
+};
+
+constexpr float SWIGLU_ALPHA = 1.702f, SWIGLU_LIMIT = 7.0f;
+
+template <typename T>
+inline void store_activated(T *out, float *acc_row, const Epilogue &ep, int64_t expert, int64_t panel,
+                            int64_t inter) {
+    if (ep.b13)
+        for (int c = 0; c < PANEL; c++) acc_row[c] += ep.b13[expert * 2 * inter + panel * PANEL + c];
+    if (ep.activation == 0) return store_gated(out, acc_row);
+    for (int c = 0; c < HALF; c++) {
+        const float gate = std::fmin(acc_row[c], SWIGLU_LIMIT);
+        const float up = std::fmax(std::fmin(acc_row[HALF + c], SWIGLU_LIMIT), -SWIGLU_LIMIT);
+        store(out[c], (up + 1.0f) * (gate / (1.0f + expf(-gate * SWIGLU_ALPHA))));
+    }
+}
 
 struct Buckets {
     std::vector<int64_t> start, pairs;  // expert e's pairs (token * top_k + slot): pairs[start[e]:start[e+1]]
@@ -50,7 +74,7 @@ std::vector<Task> tasks_of(const Buckets &b, int64_t num_panels, int64_t panel_b
     return tasks;
 }
 
-// Calls fn(j, n, r, acc) for every panel j of every active expert's weights w ([experts, num_panels, K, PANEL])
+// Calls fn(e, j, n, r, acc) for every panel j of every active expert's weights w ([experts, num_panels, K, PANEL])
 // and each block of up to MAX_ROWS of that expert's pairs (pairs[r:r + n]); row m of the block is x's row
 // pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks.
 template <typename A, typename W, typename Fn>
@@ -67,7 +91,7 @@ void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int6
                 const int n = int(std::min<int64_t>(MAX_ROWS, b.start[t.expert + 1] - r));
                 for (int m = 0; m < n; m++) rows[m] = x + (b.pairs[r + m] / pairs_per_row) * K;
                 tile(n, rows, w + (t.expert * num_panels + j) * K * PANEL, K, acc);
-                fn(j, n, r, acc);
+                fn(t.expert, j, n, r, acc);
             }
     }
 }
@@ -89,32 +113,40 @@ void for_each_expert_amx_tile(const Buckets &b, int64_t num_panels, const BF16 *
                     const int n = int(std::min<int64_t>(AMX_ROWS, b.start[t.expert + 1] - r));
                     amx.tile(n, xs + r * K, w + (t.expert * num_panels + j) * K * PANEL, K, acc,
                              r == b.start[t.expert]);
-                    fn(j, n, r, acc);
+                    fn(t.expert, j, n, r, acc);
                 }
         }
     }
 }
 
 template <typename A, typename W>
-void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, A *inter, int num_threads) {
+void gate_up(const A *x, const W *w13, const Buckets &b, const Shape &s, const Epilogue &ep, A *inter,
+             int num_threads) {
     for_each_expert_tile(b, s.inter / HALF, x, s.top_k, s.hidden, w13, num_threads,
-                         [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++) store_gated(inter + b.pairs[r + m] * s.inter + j * HALF, acc + m * PANEL);
+                         [&](int64_t e, int64_t j, int n, int64_t r, float *acc) {
+        for (int m = 0; m < n; m++)
+            store_activated(inter + b.pairs[r + m] * s.inter + j * HALF, acc + m * PANEL, ep, e, j, s.inter);
     });
 }
 
-// rows[pair] (float32, hidden wide) = the down tile's rows, for the pairs[r:r + n] of a block
-inline void scatter_rows(const Buckets &b, const Shape &s, int64_t j, int n, int64_t r, const float *acc,
-                         float *rows) {
-    for (int m = 0; m < n; m++)
-        std::memcpy(rows + b.pairs[r + m] * s.hidden + j * PANEL, acc + m * PANEL, sizeof(float) * PANEL);
+// rows[pair] (float32, hidden wide) = the down tile's rows (plus expert e's down bias), for the pairs[r:r + n]
+// of a block
+inline void scatter_rows(const Buckets &b, const Shape &s, const Epilogue &ep, int64_t e, int64_t j, int n,
+                         int64_t r, const float *acc, float *rows) {
+    for (int m = 0; m < n; m++) {
+        float *row = rows + b.pairs[r + m] * s.hidden + j * PANEL;
+        std::memcpy(row, acc + m * PANEL, sizeof(float) * PANEL);
+        if (ep.b2)
+            for (int c = 0; c < PANEL; c++) row[c] += ep.b2[e * s.hidden + j * PANEL + c];
+    }
 }
 
 template <typename A, typename W>
-void down(const A *inter, const W *w2, const Buckets &b, const Shape &s, float *rows, int num_threads) {
+void down(const A *inter, const W *w2, const Buckets &b, const Shape &s, const Epilogue &ep, float *rows,
+          int num_threads) {
     for_each_expert_tile(b, s.hidden / PANEL, inter, 1, s.inter, w2, num_threads,
-                         [&](int64_t j, int n, int64_t r, const float *acc) {
-        scatter_rows(b, s, j, n, r, acc, rows);
+                         [&](int64_t e, int64_t j, int n, int64_t r, const float *acc) {
+        scatter_rows(b, s, ep, e, j, n, r, acc, rows);
     });
 }
 
@@ -134,39 +166,40 @@ void combine(const float *rows, const int64_t *topk_ids, const float *topk_weigh
 }
 
 // inter_sorted[i] = silu(xs[i] G^T) * (xs[i] U^T), then rows[pair] = inter_sorted[i] W2^T, on AMX tiles
-void amx_experts(const BF16 *xs, const BF16 *w13, const BF16 *w2, const Buckets &b, const Shape &s, float *rows,
-                 int num_threads) {
+void amx_experts(const BF16 *xs, const BF16 *w13, const BF16 *w2, const Buckets &b, const Shape &s,
+                 const Epilogue &ep, float *rows, int num_threads) {
     std::vector<BF16> inter(b.start.back() * s.inter);  // rounded to bf16, as in HF
     for_each_expert_amx_tile(b, s.inter / HALF, xs, s.hidden, w13, num_threads,
-                             [&](int64_t j, int n, int64_t r, const float *acc) {
-        for (int m = 0; m < n; m++) store_gated(inter.data() + (r + m) * s.inter + j * HALF, acc + m * PANEL);
+                             [&](int64_t e, int64_t j, int n, int64_t r, float *acc) {
+        for (int m = 0; m < n; m++)
+            store_activated(inter.data() + (r + m) * s.inter + j * HALF, acc + m * PANEL, ep, e, j, s.inter);
     });
     for_each_expert_amx_tile(b, s.hidden / PANEL, inter.data(), s.inter, w2, num_threads,
-                             [&](int64_t j, int n, int64_t r, const float *acc) {
-        scatter_rows(b, s, j, n, r, acc, rows);
+                             [&](int64_t e, int64_t j, int n, int64_t r, const float *acc) {
+        scatter_rows(b, s, ep, e, j, n, r, acc, rows);
     });
 }
 
 void fused_moe_amx(const BF16 *x, const int64_t *topk_ids, const float *topk_weights, const BF16 *w13,
-                   const BF16 *w2, float *out, const Shape &s, int num_threads) {
+                   const BF16 *w2, float *out, const Shape &s, const Epilogue &ep, int num_threads) {
     const Buckets b = bucket(topk_ids, s);
     std::vector<BF16> xs(b.start.back() * s.hidden);  // the pairs of known experts; the others contribute nothing
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t i = 0; i < b.start.back(); i++)
         std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(BF16) * s.hidden);
     std::vector<float> rows(s.num_tokens * s.top_k * s.hidden);
-    amx_experts(xs.data(), w13, w2, b, s, rows.data(), num_threads);
+    amx_experts(xs.data(), w13, w2, b, s, ep, rows.data(), num_threads);
     combine(rows.data(), topk_ids, topk_weights, s, out, num_threads);
 }
 
 template <typename A>
 void fused_moe(const A *x, const int64_t *topk_ids, const float *topk_weights, const A *w13, const A *w2,
-               float *out, const Shape &s, int num_threads) {
+               float *out, const Shape &s, const Epilogue &ep, int num_threads) {
     const Buckets b = bucket(topk_ids, s);
     std::vector<A> inter(s.num_tokens * s.top_k * s.inter);  // rounded to the model's dtype, as in HF
     std::vector<float> rows(s.num_tokens * s.top_k * s.hidden);
-    gate_up(x, w13, b, s, inter.data(), num_threads);
-    down(inter.data(), w2, b, s, rows.data(), num_threads);
+    gate_up(x, w13, b, s, ep, inter.data(), num_threads);
+    down(inter.data(), w2, b, s, ep, rows.data(), num_threads);
     combine(rows.data(), topk_ids, topk_weights, s, out, num_threads);
 }
 
@@ -179,12 +212,13 @@ extern "C" int fused_moe_amx() { return HAS_AMX && PAIRS && amx_ready(); }
 
 #define EXPORT(NAME, T)                                                                                 \
     extern "C" void NAME(const T *x, const int64_t *topk_ids, const float *topk_weights, const T *w13,  \
-                         const T *w2, float *out, Shape shape, int num_threads) {                         \
-        fused_moe(x, topk_ids, topk_weights, w13, w2, out, shape, num_threads);                          \
+                         const T *w2, float *out, Shape shape, const Epilogue *ep, int num_threads) {     \
+        fused_moe(x, topk_ids, topk_weights, w13, w2, out, shape, *ep, num_threads);                     \
     }
 EXPORT(fused_moe_f32, float)
 EXPORT(fused_moe_bf16, BF16)
 extern "C" void fused_moe_amx_bf16(const BF16 *x, const int64_t *topk_ids, const float *topk_weights,
-                                   const BF16 *w13, const BF16 *w2, float *out, Shape shape, int num_threads) {
-    fused_moe_amx(x, topk_ids, topk_weights, w13, w2, out, shape, num_threads);
+                                   const BF16 *w13, const BF16 *w2, float *out, Shape shape, const Epilogue *ep,
+                                   int num_threads) {
+    fused_moe_amx(x, topk_ids, topk_weights, w13, w2, out, shape, *ep, num_threads);
 }
