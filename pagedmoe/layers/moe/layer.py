@@ -1,4 +1,5 @@
 """FusedMoE: router gate + routed experts (w13 [E, 2I, H], w2 [E, H, I]) + optional shared expert."""
+import logging
 import re
 
 import torch
@@ -11,13 +12,14 @@ from pagedmoe.layers.moe.fused_moe import ACTIVATIONS, expert_counts, fused_expe
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
 from pagedmoe.layers.moe.weight_utils import copy_weight
-from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
-from pagedmoe.layers.quantization.fp4_linear import fp4_linear
+from pagedmoe.layers.quantization.fp4_kernel import Fp4MoE, PackedFp4Weight, stacked, unstacked
+from pagedmoe.layers.quantization import fp4_linear
 
 PER_EXPERT_NAME = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 GATE_PROJS, UP_PROJS = ("w1", "gate_proj"), ("w3", "up_proj")
 FUSED_NAMES = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2",
                "experts.gate_up_proj_bias": "w13_bias", "experts.down_proj_bias": "w2_bias"}
+logger = logging.getLogger(__name__)
 ALIASES = {"router.weight": "gate.weight", "router.bias": "gate.bias",
            "gate.e_score_correction_bias": "e_score_correction_bias"}
 
@@ -98,9 +100,11 @@ class FusedMoE(nn.Module):
         return True
 
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.fp4_moe is not None and topk_ids.numel() <= fp4_linear.MAX_DOT_ROWS * self.num_experts:
+            return self.fp4_moe(x, topk_weights, topk_ids).to(x.dtype)
         if self.fp4_experts is not None:
             return looped_experts(x, *self.fp4_experts, topk_weights, topk_ids, ACTIVATIONS[self.activation],
-                                  self.w13_bias, self.w2_bias, fp4_linear).to(x.dtype)
+                                  self.w13_bias, self.w2_bias, fp4_linear.fp4_linear).to(x.dtype)
         if self.cpu_experts is not None:
             if self.cpu_experts.fits(x, topk_ids):
                 return self.cpu_experts(x, topk_weights, topk_ids).to(x.dtype)
@@ -179,9 +183,21 @@ class FusedMoE(nn.Module):
         expected = (tuple(self.w13.shape[1:]), tuple(self.w2.shape[1:]))
         if (w13[0].shape, w2[0].shape) != expected:
             raise ValueError(f"4-bit experts of shapes {w13[0].shape} and {w2[0].shape}, expected {expected}")
-        self.fp4_experts, self.fp4_parts = (w13, w2), {}
+        self.set_fp4_experts(stacked(w13), stacked(w2))
+        self.fp4_parts = {}
         self.w13 = nn.Parameter(torch.empty(0, device=self.w13.device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, device=self.w2.device), requires_grad=False)
+
+    fp4_moe: Fp4MoE | None = None
+
+    def set_fp4_experts(self, w13: PackedFp4Weight, w2: PackedFp4Weight):
+        """The experts on 4-bit weights: one kernel call for decode-sized batches (Fp4MoE), an expert loop
+        over views of the same tensors past that, or where the kernel cannot run."""
+        self.fp4_experts = (unstacked(w13), unstacked(w2))
+        try:
+            self.fp4_moe = Fp4MoE(w13, w2, self.activation, self.w13_bias, self.w2_bias)
+        except (RuntimeError, ValueError) as error:
+            logger.warning("4-bit experts run one expert at a time: %s", error)
 
     def load_own(self, name: str, tensor: Tensor) -> bool:
         params = dict(self.named_parameters()) | dict(self.named_buffers())

@@ -121,3 +121,57 @@ class Fp4Kernel:
                                          weight.kernel_shape(0), ctypes.c_int64(row0), ctypes.c_int64(out.shape[0]),
                                          num_threads())
         return out
+
+
+class MoeShape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_tokens", "top_k", "num_experts", "hidden", "inter",
+                                                     "block", "scale_kind", "activation")]
+
+
+class Fp4Experts(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "scales", "row_scale", "bias")]
+
+
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+
+def stacked(weights: list[PackedFp4Weight]) -> PackedFp4Weight:
+    row_scale = None if weights[0].row_scale is None else torch.stack([w.row_scale for w in weights])
+    return PackedFp4Weight(torch.stack([w.codes for w in weights]), torch.stack([w.scales for w in weights]),
+                           weights[0].block, row_scale)
+
+
+def unstacked(weight: PackedFp4Weight) -> list[PackedFp4Weight]:
+    """Views of each expert's weight in the stacked tensors (no copy)."""
+    row_scales = [None] * len(weight.codes) if weight.row_scale is None else list(weight.row_scale)
+    return [PackedFp4Weight(codes, scales, weight.block, row_scale)
+            for codes, scales, row_scale in zip(weight.codes, weight.scales, row_scales)]
+
+
+class Fp4MoE:
+    """The routed experts of a MoE layer on 4-bit weights in one kernel call (csrc/fp4_gemm.cpp, fp4_moe):
+    out = sum over each token's top-k experts of weight * (act(x W13^T + b13) W2^T + b2), in float32, the
+    activations quantised to int8 per 32 before each matmul. w13 [E, 2I, H] (gate rows, then up rows) and
+    w2 [E, H, I] stacked; hidden and inter multiples of 32."""
+
+    def __init__(self, w13: PackedFp4Weight, w2: PackedFp4Weight, activation: str, w13_bias: Tensor | None,
+                 w2_bias: Tensor | None, library: ctypes.CDLL | None = None):
+        self.library = library if library is not None else load_library()
+        self.library.fp4_moe.restype = None
+        self.w13, self.w2 = w13, w2
+        self.num_experts, self.hidden, self.inter = w2.codes.shape[0], w2.codes.shape[1], w2.codes.shape[2] * 2
+        if self.hidden % ACT_BLOCK or self.inter % ACT_BLOCK or w13.block != w2.block:
+            raise ValueError(f"the 4-bit MoE kernel needs hidden and intermediate sizes in multiples of {ACT_BLOCK}")
+        self.activation = MOE_ACTIVATIONS.index(activation)
+        self.biases = [None if b is None else b.detach().float().contiguous() for b in (w13_bias, w2_bias)]
+        self.structs = [Fp4Experts(*(ptr(t).value for t in (w.codes, w.scales, w.row_scale, bias)))
+                        for w, bias in zip((w13, w2), self.biases)]
+
+    def __call__(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        x, ids = x.float().contiguous(), topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.float().contiguous()
+        out = torch.empty(x.shape[0], self.hidden)
+        shape = MoeShape(x.shape[0], ids.shape[1], self.num_experts, self.hidden, self.inter, self.w13.block,
+                         self.w13.scale_kind, self.activation)
+        self.library.fp4_moe(ptr(x), ptr(ids), ptr(weights), *self.structs, ptr(out), shape, num_threads())
+        return out

@@ -172,9 +172,114 @@ void fp4_gemm_impl(const float *x, const uint8_t *codes, const uint8_t *scales, 
     }
 }
 
+// The routed experts of one MoE layer on 4-bit weights, in one call (as layers/moe/csrc/fused_moe.cpp does for
+// float weights): the pairs (token, slot) bucketed by expert, each expert's rows quantised once and run
+// against its gate_up rows, the activation (silu(gate) * up, or gpt-oss's clamped swigluoai) on float32 with the
+// biases, then the down rows, then the router-weighted sum per token.
+struct MoeShape {
+    int64_t num_tokens, top_k, num_experts, hidden, inter, block, scale_kind, activation;
+};
+
+struct Fp4Experts {  // [experts, rows, k] packed as PackedFp4Weight; row_scale and bias float32 or null
+    const uint8_t *codes, *scales;
+    const float *row_scale, *bias;
+};
+
+struct PairBuckets {
+    std::vector<int64_t> start, pairs, position;  // expert e's pairs: pairs[start[e]:start[e + 1]]
+};
+
+PairBuckets bucket_pairs(const int64_t *topk_ids, const MoeShape &s) {
+    const int64_t num_pairs = s.num_tokens * s.top_k;
+    PairBuckets b{std::vector<int64_t>(s.num_experts + 1, 0), {}, std::vector<int64_t>(num_pairs, -1)};
+    for (int64_t p = 0; p < num_pairs; p++)
+        if (topk_ids[p] >= 0 && topk_ids[p] < s.num_experts) b.start[topk_ids[p] + 1]++;
+    for (int64_t e = 0; e < s.num_experts; e++) b.start[e + 1] += b.start[e];
+    b.pairs.resize(b.start.back());
+    std::vector<int64_t> fill(b.start.begin(), b.start.end() - 1);
+    for (int64_t p = 0; p < num_pairs; p++)
+        if (topk_ids[p] >= 0 && topk_ids[p] < s.num_experts) {
+            b.position[p] = fill[topk_ids[p]]++;
+            b.pairs[b.position[p]] = p;
+        }
+    return b;
+}
+
+// out[i, :] for each sorted pair i = its quantised row (q, d, sorted) against expert(i)'s rows of w: [n, k].
+void experts_matmul(const int8_t *q, const float *d, const Fp4Experts &w, int64_t n, int64_t k,
+                    const PairBuckets &b, const MoeShape &ms, float *out, int num_threads) {
+    const Shape s{0, n, k, ms.block, ms.scale_kind};
+    const int64_t chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK, blocks = k / ACT_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < ms.num_experts * chunks; task++) {
+        const int64_t e = task / chunks, n0 = task % chunks * ROW_CHUNK, n1 = std::min(n, n0 + ROW_CHUNK);
+        const int64_t first = b.start[e], count = b.start[e + 1] - first;
+        if (count == 0) continue;
+        const uint8_t *codes = w.codes + e * n * k / 2, *scales = w.scales + e * n * (k / ms.block);
+        const float *row_scale = w.row_scale ? w.row_scale + e * n : nullptr;
+        const int8_t *qe = q + first * k;
+        const float *de = d + first * blocks;
+        float *oe = out + first * n;
+        int64_t r0 = 0;
+        for (; r0 + ROWS <= count; r0 += ROWS) dot_rows<ROWS>(qe, de, codes, scales, s, r0, n0, n1, row_scale, oe);
+        for (; r0 < count; r0++) dot_rows<1>(qe, de, codes, scales, s, r0, n0, n1, row_scale, oe);
+    }
+}
+
+inline float activated(float gate, float up, int64_t activation) {
+    if (activation == 0) return gate / (1.0f + expf(-gate)) * up;
+    gate = std::fmin(gate, 7.0f), up = std::fmax(std::fmin(up, 7.0f), -7.0f);
+    return (up + 1.0f) * (gate / (1.0f + expf(-1.702f * gate)));
+}
+
+// inter[i] = act(gate_up[i] + b13[e]) for each sorted pair i of expert e (gate columns first, then up).
+void activate(const float *gate_up, const PairBuckets &b, const MoeShape &s, const float *b13, float *inter) {
+    for (int64_t e = 0; e < s.num_experts; e++)
+        for (int64_t i = b.start[e]; i < b.start[e + 1]; i++)
+            for (int64_t c = 0; c < s.inter; c++) {
+                const float *row = gate_up + i * 2 * s.inter, *bias = b13 ? b13 + e * 2 * s.inter : nullptr;
+                inter[i * s.inter + c] = activated(row[c] + (bias ? bias[c] : 0.0f),
+                                                   row[s.inter + c] + (bias ? bias[s.inter + c] : 0.0f), s.activation);
+            }
+}
+
+void fp4_moe_impl(const float *x, const int64_t *topk_ids, const float *topk_weights, const Fp4Experts &w13,
+                  const Fp4Experts &w2, float *out, const MoeShape &s, int num_threads) {
+    const PairBuckets b = bucket_pairs(topk_ids, s);
+    const int64_t pairs = b.start.back();
+    std::vector<float> xs(pairs * s.hidden), gate_up(pairs * 2 * s.inter), inter(pairs * s.inter);
+    std::vector<float> rows(pairs * s.hidden);
+    for (int64_t i = 0; i < pairs; i++)
+        std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(float) * s.hidden);
+    std::vector<int8_t> q(pairs * std::max(s.hidden, s.inter));
+    std::vector<float> d(pairs * std::max(s.hidden, s.inter) / ACT_BLOCK);
+    quantize_rows(xs.data(), Shape{pairs, 0, s.hidden, 0, 0}, q.data(), d.data());
+    experts_matmul(q.data(), d.data(), w13, 2 * s.inter, s.hidden, b, s, gate_up.data(), num_threads);
+    activate(gate_up.data(), b, s, w13.bias, inter.data());
+    quantize_rows(inter.data(), Shape{pairs, 0, s.inter, 0, 0}, q.data(), d.data());
+    experts_matmul(q.data(), d.data(), w2, s.hidden, s.inter, b, s, rows.data(), num_threads);
+    for (int64_t t = 0; t < s.num_tokens; t++) {
+        float *o = out + t * s.hidden;
+        std::memset(o, 0, sizeof(float) * s.hidden);
+        for (int64_t p = t * s.top_k; p < (t + 1) * s.top_k; p++) {
+            if (b.position[p] < 0) continue;
+            const float *row = rows.data() + b.position[p] * s.hidden, *bias = w2.bias;
+            const int64_t e = topk_ids[p];
+            for (int64_t c = 0; c < s.hidden; c++)
+                o[c] += topk_weights[p] * (row[c] + (bias ? bias[e * s.hidden + c] : 0.0f));
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+// x float32 [tokens, hidden] (hidden and inter multiples of 32), out float32 [tokens, hidden].
+void fp4_moe(const float *x, const int64_t *topk_ids, const float *topk_weights, Fp4Experts w13, Fp4Experts w2,
+             float *out, MoeShape shape, int num_threads) {
+    fp4_moe_impl(x, topk_ids, topk_weights, w13, w2, out, shape, num_threads);
+}
 
 // x float32 [m, k] (k a multiple of 32), codes uint8 [n, k / 2], scales uint8 [n, k / block], row_scale
 // float32 [n] or null, out float32 [m, n].
