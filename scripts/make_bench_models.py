@@ -13,7 +13,7 @@ EAGLE-3 head for it as `pagedmoe.train eagle3` exports one, untrained. Both have
 drafts are rarely accepted: they measure what drafting costs, and what the adaptive switch saves of it.
 OUT_DIR/gpt-oss-200m is gpt-oss-shaped (hidden 576, 10 layers alternating a 128-token window and full
 attention, 9 heads / 3 KV heads of 64 with sinks, 16 experts of intermediate 576, top-4, vocab 32000, untied):
-203M parameters, 66M active, for `pagedmoe bench quantization`.
+205M parameters, 66M active, for `pagedmoe bench quantization`.
 """
 import os
 import sys
