@@ -51,8 +51,9 @@ struct ScaleTables {
 const ScaleTables SCALES;
 
 // x [m, k] float32 -> q [m, k] int8 (each 32-block evens then odds) and d [m, k / 32].
-void quantize_rows(const float *x, const Shape &s, int8_t *q, float *d) {
+void quantize_rows(const float *x, const Shape &s, int8_t *q, float *d, int num_threads = 1) {
     const int64_t blocks = s.k / ACT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (s.m * blocks >= 1024)
     for (int64_t i = 0; i < s.m * blocks; i++) {
         const float *src = x + i * ACT_BLOCK;
         float amax = 0.0f;
@@ -107,8 +108,13 @@ void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_
     alignas(32) float lanes[8];
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i w = decode_block(codes + b * 16);
-        lane_scales(scales, b, s, lanes);
-        const __m256 ws = _mm256_load_ps(lanes);
+        __m256 ws;
+        if (s.block == 32) {
+            ws = _mm256_set1_ps(SCALES.half[s.scale_kind][scales[b]]);
+        } else {
+            lane_scales(scales, b, s, lanes);
+            ws = _mm256_load_ps(lanes);
+        }
         for (int r = 0; r < R; r++) {
             const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q + (r * blocks + b) * ACT_BLOCK));
             const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(d[r * blocks + b]));
@@ -160,7 +166,7 @@ void fp4_gemm_impl(const float *x, const uint8_t *codes, const uint8_t *scales, 
                    const Shape &s, int num_threads) {
     std::vector<int8_t> q(s.m * s.k);
     std::vector<float> d(s.m * (s.k / ACT_BLOCK));
-    quantize_rows(x, s, q.data(), d.data());
+    quantize_rows(x, s, q.data(), d.data(), num_threads);
     const int64_t chunks = (s.n + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t c = 0; c < chunks; c++) {
@@ -233,14 +239,17 @@ inline float activated(float gate, float up, int64_t activation) {
 }
 
 // inter[i] = act(gate_up[i] + b13[e]) for each sorted pair i of expert e (gate columns first, then up).
-void activate(const float *gate_up, const PairBuckets &b, const MoeShape &s, const float *b13, float *inter) {
-    for (int64_t e = 0; e < s.num_experts; e++)
-        for (int64_t i = b.start[e]; i < b.start[e + 1]; i++)
-            for (int64_t c = 0; c < s.inter; c++) {
-                const float *row = gate_up + i * 2 * s.inter, *bias = b13 ? b13 + e * 2 * s.inter : nullptr;
-                inter[i * s.inter + c] = activated(row[c] + (bias ? bias[c] : 0.0f),
-                                                   row[s.inter + c] + (bias ? bias[s.inter + c] : 0.0f), s.activation);
-            }
+void activate(const float *gate_up, const PairBuckets &b, const MoeShape &s, const float *b13, float *inter,
+              int num_threads) {
+    const int64_t pairs = b.start.back();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (pairs * s.inter >= 16384)
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t e = std::upper_bound(b.start.begin(), b.start.end(), i) - b.start.begin() - 1;
+        const float *row = gate_up + i * 2 * s.inter, *bias = b13 ? b13 + e * 2 * s.inter : nullptr;
+        for (int64_t c = 0; c < s.inter; c++)
+            inter[i * s.inter + c] = activated(row[c] + (bias ? bias[c] : 0.0f),
+                                               row[s.inter + c] + (bias ? bias[s.inter + c] : 0.0f), s.activation);
+    }
 }
 
 void fp4_moe_impl(const float *x, const int64_t *topk_ids, const float *topk_weights, const Fp4Experts &w13,
@@ -253,10 +262,10 @@ void fp4_moe_impl(const float *x, const int64_t *topk_ids, const float *topk_wei
         std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(float) * s.hidden);
     std::vector<int8_t> q(pairs * std::max(s.hidden, s.inter));
     std::vector<float> d(pairs * std::max(s.hidden, s.inter) / ACT_BLOCK);
-    quantize_rows(xs.data(), Shape{pairs, 0, s.hidden, 0, 0}, q.data(), d.data());
+    quantize_rows(xs.data(), Shape{pairs, 0, s.hidden, 0, 0}, q.data(), d.data(), num_threads);
     experts_matmul(q.data(), d.data(), w13, 2 * s.inter, s.hidden, b, s, gate_up.data(), num_threads);
-    activate(gate_up.data(), b, s, w13.bias, inter.data());
-    quantize_rows(inter.data(), Shape{pairs, 0, s.inter, 0, 0}, q.data(), d.data());
+    activate(gate_up.data(), b, s, w13.bias, inter.data(), num_threads);
+    quantize_rows(inter.data(), Shape{pairs, 0, s.inter, 0, 0}, q.data(), d.data(), num_threads);
     experts_matmul(q.data(), d.data(), w2, s.hidden, s.inter, b, s, rows.data(), num_threads);
     for (int64_t t = 0; t < s.num_tokens; t++) {
         float *o = out + t * s.hidden;
