@@ -99,30 +99,79 @@ inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
-template <int R>
-void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-             float *sums) {
-    const int64_t blocks = s.k / ACT_BLOCK;
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+inline __m256 block_scales(const uint8_t *scales, int64_t b, const Shape &s) {
+    if (s.block == 32) return _mm256_set1_ps(SCALES.half[s.scale_kind][scales[b]]);
     alignas(32) float lanes[8];
-    for (int64_t b = 0; b < blocks; b++) {
+    lane_scales(scales, b, s, lanes);
+    return _mm256_load_ps(lanes);
+}
+
+// 32-blocks [b0, b1) of R activation rows against one weight row, into 8-lane accumulators.
+template <int R>
+void dot_blocks(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
+                int64_t b0, int64_t b1, __m256 *acc) {
+    const int64_t blocks = s.k / ACT_BLOCK;
+    for (int64_t b = b0; b < b1; b++) {
         const __m256i w = decode_block(codes + b * 16);
-        __m256 ws;
-        if (s.block == 32) {
-            ws = _mm256_set1_ps(SCALES.half[s.scale_kind][scales[b]]);
-        } else {
-            lane_scales(scales, b, s, lanes);
-            ws = _mm256_load_ps(lanes);
-        }
+        const __m256 ws = block_scales(scales, b, s);
         for (int r = 0; r < R; r++) {
             const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q + (r * blocks + b) * ACT_BLOCK));
             const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(d[r * blocks + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(w, x)), scale, acc[r]);
         }
     }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// Two 32-blocks' weights as one 512-bit vector: [block 0 evens, block 0 odds, block 1 evens, block 1 odds].
+inline __m512i decode_pair(const uint8_t *codes) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(DOUBLED)));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes)), low = _mm256_set1_epi8(0x0F);
+    const __m256i evens = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low));
+    const __m256i odds = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low));
+    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(evens), order, _mm512_castsi256_si512(odds));
+}
+
+inline __m512 two_halves(__m256 first, __m256 second) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(first), second, 1);
+}
+
+// 512 bits a step: vpdpbusd multiplies unsigned by signed bytes, so the activations enter as q + 128 and each
+// lane's sum starts at -128 * (its weights' sum), which one more vpdpbusd (by ones) gives for all rows.
+template <int R>
+void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
+             float *sums) {
+    const int64_t blocks = s.k / ACT_BLOCK, pairs = blocks / 2;
+    const __m512i flip = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    __m512 acc[R];
+    __m256 tail[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512i w = decode_pair(codes + p * 32);
+        const __m512i start = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w), 7));
+        const __m512 ws = two_halves(block_scales(scales, 2 * p, s), block_scales(scales, 2 * p + 1, s));
+        for (int r = 0; r < R; r++) {
+            const __m512i x = _mm512_loadu_si512(q + (r * blocks + 2 * p) * ACT_BLOCK);
+            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
+            const float *dr = d + r * blocks + 2 * p;
+            const __m512 scale = _mm512_mul_ps(ws, two_halves(_mm256_set1_ps(dr[0]), _mm256_set1_ps(dr[1])));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+        }
+    }
+    dot_blocks<R>(q, d, codes, scales, s, 2 * pairs, blocks, tail);
+    for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]) + sum_lanes(tail[r]);
+}
+#else
+template <int R>
+void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
+             float *sums) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    dot_blocks<R>(q, d, codes, scales, s, 0, s.k / ACT_BLOCK, acc);
     for (int r = 0; r < R; r++) sums[r] = sum_lanes(acc[r]);
 }
+#endif
 #else
 template <int R>
 void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
