@@ -34,6 +34,14 @@ def tiny_dense_config(arch: str, **overrides):
     return cfg
 
 
+def tiny_moe_config():
+    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                       moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                       norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
+                                       bos_token_id=0, pad_token_id=0)
+
+
 def save_random_model(cfg, path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

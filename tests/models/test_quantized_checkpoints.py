@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, max_logprob_error, pagedmoe_greedy,
-                      pagedmoe_prompt_logprobs, save_random_model, tiny_dense_config)
+                      pagedmoe_prompt_logprobs, save_random_model, tiny_dense_config, tiny_moe_config)
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.entrypoints.cli import main as cli_main
 from pagedmoe.layers.quantization import fp4_linear
@@ -28,14 +28,6 @@ def gpt_oss_config():
                                      num_key_value_heads=2, head_dim=32, intermediate_size=64, num_local_experts=8,
                                      num_experts_per_tok=2, sliding_window=4, max_position_embeddings=512,
                                      eos_token_id=None, bos_token_id=0, pad_token_id=0)
-
-
-def qwen3_moe_config():
-    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=32, intermediate_size=96,
-                                       moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                                       norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
-                                       bos_token_id=0, pad_token_id=0)
 
 
 def deepseek_v3_config(hidden_size: int, kv_lora_rank: int, v_head_dim: int):
@@ -76,7 +68,7 @@ CASES = {  # name: (config, format, HF loads the quantized checkpoint itself)
     "gpt_oss_nvfp4": (gpt_oss_config, "nvfp4", False),
     "qwen3_nvfp4": (lambda: tiny_dense_config("qwen3"), "nvfp4", False),
     "llama_nvfp4": (lambda: tiny_dense_config("llama"), "nvfp4", False),
-    "qwen3_moe_nvfp4": (qwen3_moe_config, "nvfp4", False),
+    "qwen3_moe_nvfp4": (tiny_moe_config, "nvfp4", False),
     "deepseek_v3_fp8": (lambda: deepseek_v3_config(256, 32, 16), "fp8", True),
     "deepseek_v3_fp8_ragged": (lambda: deepseek_v3_config(64, 160, 24), "fp8", False),
 }

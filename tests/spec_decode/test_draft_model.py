@@ -7,12 +7,11 @@ import torch
 import transformers
 
 from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config,
-                      x86_targets)
+                      tiny_moe_config, x86_targets)
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.spec_decode import fused_drafters
 from pagedmoe.spec_decode.fused_drafters import FusedDraftModel
-from test_spec_decode_engine import (assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy,
-                                     tiny_moe_config)
+from test_spec_decode_engine import assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy
 
 K, NUM_NEW = 3, 24
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model
+from conftest import VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_moe_config
 from pagedmoe import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -152,14 +152,6 @@ def test_n_samples_and_logprobs_match_without_speculation(reference, spec):
             assert abs(ref_out.cumulative_logprob - got_out.cumulative_logprob) < 1e-3
     assert_drafts_accepted(llm)
     assert_all_blocks_free(llm.engine)
-
-
-def tiny_moe_config():
-    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                                       moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                                       norm_topk_prob=True, max_position_embeddings=512, eos_token_id=None,
-                                       bos_token_id=0, pad_token_id=0)
 
 
 def test_moe_greedy_identical(tmp_path):
