@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import missing_for
 from pagedmoe import cpu_info
-from pagedmoe.layers.quantization import fp4_kernel
+from pagedmoe.layers.quantization import fp4_kernel, fp4_linear
 from pagedmoe.layers.activation import ACTIVATIONS
 from pagedmoe.layers.moe.fused_moe import looped_experts
 from pagedmoe.layers.quantization.fp4_kernel import Fp4Kernel, Fp4MoE, PackedFp4Weight, stacked, unstacked
@@ -135,3 +135,19 @@ def test_fused_moe_kernel_matches_the_emulated_expert_loop(target, fmt, activati
         expected = looped_experts(x, unstacked(w13), unstacked(w2), topk_weights, topk_ids, ACTIVATIONS[activation],
                                   b13, b2, kernel_linear(Fp4Kernel(library)))
         torch.testing.assert_close(moe(x, topk_weights, topk_ids), expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags, panel_dtype", [(None, None), ("avx avx2 fma", torch.float32)])
+def test_panels_past_the_kernel_rows_decode_exactly(monkeypatch, flags, panel_dtype):
+    """Past MAX_DOT_ROWS the weight is decoded exactly, in bf16 panels for bf16 inputs where bf16 is native
+    (float32 where it is emulated): the product is the float one on those panels."""
+    if flags:
+        monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", flags)
+    weight = packed_weight("mxfp4", 300, 64, seed=1)  # MXFP4 values are exact in bf16
+    x = torch.randn(40, 64).bfloat16()
+    panel_dtype = panel_dtype or (torch.float32 if cpu_info.bf16_is_emulated() else torch.bfloat16)
+    out = fp4_linear.fp4_linear(x, weight)
+    expected = (x.to(panel_dtype) @ weight.dequantize().to(panel_dtype).T).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    exact = fp4_linear.fp4_linear(x.float(), weight)
+    torch.testing.assert_close(exact, x.float() @ weight.dequantize().T, atol=1e-5, rtol=1e-5)

@@ -37,14 +37,16 @@ float e4m3(uint8_t byte) {
     return sign ? -magnitude : magnitude;
 }
 
-// Scale byte -> float, for each kind; `half` tables fold in the 1/2 of the doubled integer values.
+// Scale byte -> float, for each kind; `half` tables fold in the 1/2 of the doubled integer values; pairs: a
+// code byte -> its two values (low nibble first).
 struct ScaleTables {
-    float full[2][256], half[2][256];
+    float full[2][256], half[2][256], pairs[256][2];
     ScaleTables() {
         for (int b = 0; b < 256; b++) {
             full[0][b] = b == 255 ? NAN : std::ldexp(1.0f, b - 127);
             full[1][b] = e4m3(uint8_t(b));
             for (int kind = 0; kind < 2; kind++) half[kind][b] = full[kind][b] * 0.5f;
+            pairs[b][0] = VALUES[b & 15], pairs[b][1] = VALUES[b >> 4];
         }
     }
 };
@@ -354,9 +356,14 @@ void fp4_dequantize_rows(const uint8_t *codes, const uint8_t *scales, const floa
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = codes + (row0 + r) * s.k / 2, *row_scales = scales + (row0 + r) * (s.k / s.block);
         const float out_scale = row_scale ? row_scale[row0 + r] : 1.0f;
-        for (int64_t j = 0; j < s.k; j++) {
-            const float scale = SCALES.full[s.scale_kind][row_scales[j / s.block]] * out_scale;
-            out[r * s.k + j] = scale * VALUES[j % 2 ? row[j / 2] >> 4 : row[j / 2] & 15];
+        for (int64_t block = 0; block < s.k / s.block; block++) {
+            const float scale = SCALES.full[s.scale_kind][row_scales[block]] * out_scale;
+            const uint8_t *bytes = row + block * s.block / 2;
+            float *o = out + r * s.k + block * s.block;
+            for (int64_t j = 0; j < s.block / 2; j++) {
+                o[2 * j] = scale * SCALES.pairs[bytes[j]][0];
+                o[2 * j + 1] = scale * SCALES.pairs[bytes[j]][1];
+            }
         }
     }
 }
