@@ -44,6 +44,7 @@ class EngineConfig:
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
     quantization_mode: str = "packed"  # 4-bit checkpoints on CPU: "packed" (kept 4-bit) or "dequantize" (exact)
+    quantization: str | None = None  # as vLLM's: the method the checkpoint must be in (mxfp4, modelopt_fp4, fp8)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):

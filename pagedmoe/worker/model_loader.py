@@ -8,7 +8,7 @@ import torch
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.layers.quantization.checkpoint import checkpoint_tensors
-from pagedmoe.layers.quantization.config import read_quantization_config
+from pagedmoe.layers.quantization.config import check_requested, read_quantization_config
 from pagedmoe.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     with torch.device(config.device):
         model = cls(config.hf_config)
     quant = read_quantization_config(config.model, config.hf_config)
+    check_requested(config.quantization, quant, config.model)
     num_expected = num_weight_elements(model)  # before packed 4-bit layers drop their dense weights
     num_loaded = load_weights(model, config.model, quant, keeps_fp4_packed(model, config))
     if num_loaded != num_expected:

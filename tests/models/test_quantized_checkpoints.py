@@ -225,3 +225,14 @@ def test_packed_nvfp4_on_the_bundled_trained_model(tmp_path):
     agreement = [first_divergence(a, b) for a, b in zip(runs["packed"], runs["dequantize"])]
     print(f"bundled model, NVFP4 packed vs dequantize: {agreement} of {NUM_NEW} tokens agree")
     assert sum(agreement) >= NUM_NEW * len(prompts) // 2
+
+
+def test_vllm_quantization_flag_checks_the_checkpoint(tmp_path):
+    save_random_model(tiny_dense_config("qwen3"), tmp_path / "dense")
+    quantize_checkpoint(str(tmp_path / "dense"), str(tmp_path / "q"), "nvfp4")
+    llm = LLM(str(tmp_path / "q"), dtype="float32", skip_tokenizer_init=True, quantization="modelopt_fp4")
+    assert any(getattr(m, "fp4", None) is not None for m in llm.engine.runner.model.modules())
+    for path, name, message in [(tmp_path / "q", "fp8", "holds nvfp4"), (tmp_path / "dense", "fp8", "not quantized"),
+                                (tmp_path / "q", "awq", "not supported")]:
+        with pytest.raises(ValueError, match=f"quantization: .*{message}"):
+            LLM(str(path), dtype="float32", skip_tokenizer_init=True, quantization=name)

@@ -8,6 +8,20 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 
 METHODS = ("mxfp4", "nvfp4", "fp8")
+VLLM_NAMES = {"mxfp4": "mxfp4", "modelopt_fp4": "nvfp4", "modelopt": "nvfp4", "nvfp4": "nvfp4", "fp8": "fp8"}
+
+
+def check_requested(requested: str | None, found: "QuantizationConfig | None", model_dir: str):
+    """vLLM's --quantization: the method the checkpoint must hold (pagedmoe quantizes nothing online)."""
+    if requested is None:
+        return
+    if requested not in VLLM_NAMES:
+        raise ValueError(f"quantization: {requested!r} is not supported; known: {sorted(VLLM_NAMES)}")
+    if found is None:
+        raise ValueError(f"quantization: {requested!r} asked for, but the checkpoint in {model_dir!r} is not "
+                         "quantized (write one with `pagedmoe quantize`)")
+    if VLLM_NAMES[requested] != found.method:
+        raise ValueError(f"quantization: {requested!r} asked for, but the checkpoint holds {found.method}")
 
 
 @dataclass(frozen=True)
