@@ -76,6 +76,12 @@ inline void store(BF16 &dst, float x) {  // round to nearest even, as torch does
 // acc[M][PANEL] = rows a[0..M) (K values each) times one packed panel b ([K][PANEL]).
 inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// gpt-oss's clamped SwiGLU: (up + 1) * gate * sigmoid(1.702 gate), gate clamped above and up both ways at 7.
+inline float swigluoai(float gate, float up) {
+    gate = std::fmin(gate, 7.0f), up = std::fmax(std::fmin(up, 7.0f), -7.0f);
+    return (up + 1.0f) * (gate / (1.0f + expf(-1.702f * gate)));
+}
+
 // out[0..HALF) = silu(gate) * up for one row of a gate-up tile (its first HALF columns gate, the rest up).
 template <typename T>
 inline void store_gated(T *out, const float *acc_row) {

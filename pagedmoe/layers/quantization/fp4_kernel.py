@@ -13,7 +13,8 @@ from torch import Tensor
 
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
-from pagedmoe.layers.quantization.fp4 import unpack_fp4
+from pagedmoe.layers.quantization.mxfp4 import dequantize_mxfp4
+from pagedmoe.layers.quantization.nvfp4 import dequantize_nvfp4
 
 SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.cpp"
 ACT_BLOCK = 32
@@ -85,11 +86,8 @@ class PackedFp4Weight:
     def dequantize(self) -> Tensor:
         """float32 [n, k], in PyTorch: exactly what the format decoders give."""
         if self.block == 32:
-            exponents = self.scales.to(torch.int32)[..., None] - 127
-            values = unpack_fp4(self.codes).view(*self.scales.shape, 32)
-            return torch.ldexp(values, exponents).flatten(-2)
-        scales = self.scales.view(torch.float8_e4m3fn).float() * self.row_scale[:, None]
-        return (unpack_fp4(self.codes).view(*self.scales.shape, 16) * scales[..., None]).flatten(-2)
+            return dequantize_mxfp4(self.codes.view(*self.scales.shape, 16), self.scales)
+        return dequantize_nvfp4(self.codes, self.scales.view(torch.float8_e4m3fn), self.row_scale)
 
     def kernel_shape(self, m: int) -> Shape:
         n, k = self.shape

@@ -31,9 +31,11 @@ def check_global_scale(name: str, scale: Tensor | None):
 
 
 def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, scale_2: Tensor) -> Tensor:
-    """float32 [out, in]: the block scales times scale_2 first, then the codes' values (ModelOpt's order)."""
+    """float32 [out, in]: the block scales times scale_2 (per tensor, or one per row) first, then the codes'
+    values (ModelOpt's order)."""
     values = unpack_fp4(weight).view(*weight.shape[:-1], -1, BLOCK)
-    scales = weight_scale.float() * scale_2.float().reshape(())
+    scale_2 = scale_2.float()
+    scales = weight_scale.float() * (scale_2.reshape(()) if scale_2.numel() == 1 else scale_2[:, None])
     return (values * scales[..., None]).flatten(-2)
 
 

@@ -33,19 +33,13 @@ struct Epilogue {
     const float *b13, *b2;
 };
 
-constexpr float SWIGLU_ALPHA = 1.702f, SWIGLU_LIMIT = 7.0f;
-
 template <typename T>
 inline void store_activated(T *out, float *acc_row, const Epilogue &ep, int64_t expert, int64_t panel,
                             int64_t inter) {
     if (ep.b13)
         for (int c = 0; c < PANEL; c++) acc_row[c] += ep.b13[expert * 2 * inter + panel * PANEL + c];
     if (ep.activation == 0) return store_gated(out, acc_row);
-    for (int c = 0; c < HALF; c++) {
-        const float gate = std::fmin(acc_row[c], SWIGLU_LIMIT);
-        const float up = std::fmax(std::fmin(acc_row[HALF + c], SWIGLU_LIMIT), -SWIGLU_LIMIT);
-        store(out[c], (up + 1.0f) * (gate / (1.0f + expf(-gate * SWIGLU_ALPHA))));
-    }
+    for (int c = 0; c < HALF; c++) store(out[c], swigluoai(acc_row[c], acc_row[HALF + c]));
 }
 
 struct Buckets {

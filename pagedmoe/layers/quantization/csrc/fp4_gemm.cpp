@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "../../csrc/tile_gemm.h"
+
 namespace {
 
 constexpr int64_t ACT_BLOCK = 32;
@@ -284,9 +286,7 @@ void experts_matmul(const int8_t *q, const float *d, const Fp4Experts &w, int64_
 }
 
 inline float activated(float gate, float up, int64_t activation) {
-    if (activation == 0) return gate / (1.0f + expf(-gate)) * up;
-    gate = std::fmin(gate, 7.0f), up = std::fmax(std::fmin(up, 7.0f), -7.0f);
-    return (up + 1.0f) * (gate / (1.0f + expf(-1.702f * gate)));
+    return activation == 0 ? tile_gemm::silu(gate) * up : tile_gemm::swigluoai(gate, up);
 }
 
 // inter[i] = act(gate_up[i] + b13[e]) for each sorted pair i of expert e (gate columns first, then up).
