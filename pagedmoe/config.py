@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"  # or "static": reserve prompt + max_tokens contiguously at admission
     static_reserve_tokens: int | None = None  # static mode: output slots reserved (default: max_tokens)
+    disable_hybrid_kv_cache_manager: bool = False  # as vLLM's: sliding-window layers keep every block too
     kv_offload: bool = False  # evicted cached blocks go to the host pool (swap_space bytes), then to disk
     kv_offload_disk_bytes: int = 0
     kv_offload_dir: str | None = None

@@ -87,7 +87,7 @@ class KVCacheManager:
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_total = -(-self._num_slots(seq, num_new_tokens) // self.block_size)
-        return max(num_total - len(seq.block_table), 0) + int(self._needs_copy_on_write(seq))
+        return max(num_total - len(seq.block_table), 0) + int(self._needs_copy_on_write(seq, seq.block_table))
 
     def _num_slots(self, seq: Sequence, num_new_tokens: int) -> int:
         """The step's tokens, plus the lookahead slots a draft model writes, up to the sequence's last token."""
@@ -102,15 +102,29 @@ class KVCacheManager:
             return False
         if self.static_reserve is not None and not seq.block_table and not self._reserve(seq):
             return False
-        num_needed = self.num_blocks_needed(seq, num_new_tokens)
-        if num_needed > self.pool.num_free_blocks:
+        self._free_dead_blocks(seq)
+        if self.num_blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
             return False
-        if self._needs_copy_on_write(seq):
-            self._copy_on_write(seq)
-            num_needed -= 1
-        seq.block_table.extend(self.pool.allocate() for _ in range(num_needed))
+        self._grow_tables(seq, num_new_tokens)
         self._cache_full_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, len(seq)))  # no draft token
         return True
+
+    def _grow_tables(self, seq: Sequence, num_new_tokens: int):
+        self._grow(seq, seq.block_table, num_new_tokens)
+
+    def _grow(self, seq: Sequence, table: list[int], num_new_tokens: int):
+        """Copy-on-write of the shared block the step writes first, then new blocks up to the step's slots."""
+        if self._needs_copy_on_write(seq, table):
+            self._copy_on_write(seq, table)
+        num_total = -(-self._num_slots(seq, num_new_tokens) // self.block_size)
+        table.extend(self.pool.allocate() for _ in range(num_total - len(table)))
+
+    def _free_dead_blocks(self, seq: Sequence):
+        """Frees blocks no later query reads (a sliding window's, kv_cache_hybrid.py); every block is live here."""
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """The most blocks one sequence of num_tokens tokens holds at once."""
+        return -(-num_tokens // self.block_size)
 
     def _reserve(self, seq: Sequence) -> bool:
         blocks = self.pool.allocate_run(-(-self.static_reserve(seq) // self.block_size))
@@ -121,17 +135,23 @@ class KVCacheManager:
 
     def _take_cached(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit]) -> bool:
         num_cached_tokens = len(hits) * self.block_size
-        num_fetched = sum(1 for hit in hits if hit.tier != "device")
-        num_new_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(hits) + num_fetched
-        num_revived = sum(1 for hit in hits if hit.tier == "device" and self.pool.ref_counts[hit.block_id] == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        num_new_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(hits)
+        if num_new_blocks + self._num_blocks_taken(hits) > self.pool.num_free_blocks:
             return False
+        seq.block_table = self._claim(hits)
+        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), num_cached_tokens
+        return True
+
+    def _num_blocks_taken(self, hits: list[PrefixHit]) -> int:
+        """Free device blocks the hits use up: one per host or disk hit, and each cached free block revived."""
+        return sum(1 for hit in hits if hit.tier != "device" or self.pool.ref_counts[hit.block_id] == 0)
+
+    def _claim(self, hits: list[PrefixHit]) -> list[int]:
+        """The hits' device blocks: every device hit is referenced before any fetch allocates (and evicts)."""
         for hit in hits:
             if hit.tier == "device":
                 self.pool.incref(hit.block_id)
-        seq.block_table = [hit.block_id if hit.tier == "device" else self._fetch(hit) for hit in hits]
-        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), num_cached_tokens
-        return True
+        return [hit.block_id if hit.tier == "device" else self._fetch(hit) for hit in hits]
 
     def _fetch(self, hit: PrefixHit) -> int:
         block_id = self.pool.allocate()
@@ -172,16 +192,16 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[index], seq.block_hashes[index])
         seq.num_cached_blocks = num_full
 
-    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+    def _needs_copy_on_write(self, seq: Sequence, table: list[int]) -> bool:
         index = seq.num_computed_tokens // self.block_size
-        return index < len(seq.block_table) and self.pool.is_shared(seq.block_table[index])
+        return index < len(table) and self.pool.is_shared(table[index])
 
-    def _copy_on_write(self, seq: Sequence):
+    def _copy_on_write(self, seq: Sequence, table: list[int]):
         index = seq.num_computed_tokens // self.block_size
-        src, dst = seq.block_table[index], self.pool.allocate()
+        src, dst = table[index], self.pool.allocate()
         self.transfers.copy.append((src, dst))
         self.pool.free(src)
-        seq.block_table[index] = dst
+        table[index] = dst
 
     def fork(self, parent: Sequence, child: Sequence):
         for block_id in parent.block_table:

@@ -12,6 +12,7 @@ from pagedmoe.beam_search import BeamCandidate, BeamSearchParams, beam_score, se
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.detokenizer import Detokenizer
 from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
+from pagedmoe.engine.kv_cache_hybrid import HybridKVCacheManager
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
@@ -63,9 +64,7 @@ class LLMEngine:
         static = self._static_reserve if config.kv_allocation == "static" else None
         spec = config.speculative_config
         lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
-        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.num_host_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.kv_offload, self.runner.num_disk_blocks,
-                                 static, lookahead)
+        self.kv = self._kv_cache_manager(static, lookahead)
         self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
@@ -162,7 +161,7 @@ class LLMEngine:
         if params.max_tokens is None:
             params = _replace(params, max_tokens=max_len - len(token_ids))
         num_tokens = len(token_ids) + max(params.max_tokens, self._num_reserved_outputs(params))
-        num_blocks = -(-min(num_tokens, max_len) // self.config.block_size)
+        num_blocks = self.kv.num_blocks_for(min(num_tokens, max_len))
         if num_blocks > self.kv.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens = {num_tokens} tokens need "
                              f"{num_blocks} KV blocks; the pool has {self.kv.pool.num_blocks}")
@@ -172,6 +171,15 @@ class LLMEngine:
         if self.config.kv_allocation != "static":
             return 0
         return self.config.static_reserve_tokens or params.max_tokens
+
+    def _kv_cache_manager(self, static, lookahead: int) -> KVCacheManager:
+        config, runner = self.config, self.runner
+        args = (runner.num_blocks, runner.num_host_blocks, config.block_size, config.enable_prefix_caching,
+                config.kv_offload, runner.num_disk_blocks, static, lookahead)
+        if runner.sliding_window is None:
+            return KVCacheManager(*args)
+        return HybridKVCacheManager(*args, sliding_window=runner.sliding_window,
+                                    max_step_tokens=config.max_num_batched_tokens)
 
     def _static_reserve(self, seq: Sequence) -> int:
         reserved = seq.num_prompt_tokens + self._num_reserved_outputs(seq.params)

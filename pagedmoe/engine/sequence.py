@@ -56,6 +56,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.host_block_table: list[int] = []
+        self.window_table: list[int] = []  # hybrid KV: the sliding-window layers' blocks (kv_cache_hybrid.py)
+        self.host_window_table: list[int] = []
+        self.num_window_freed = 0  # leading window_table entries freed: wholly outside the window
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.status = SequenceStatus.WAITING

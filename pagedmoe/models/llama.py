@@ -117,6 +117,15 @@ class DecoderForCausalLM(nn.Module):
     def kv_cache_token_shape(self) -> tuple[int, tuple[int, ...]]:
         return 2 * self.config.num_key_value_heads, (head_dim_of(self.config),)
 
+    def hybrid_kv_layout(self) -> tuple[int, list[int]] | None:
+        """Where full and sliding-window layers mix: the window, and each layer's KV storage slot (the n-th
+        full layer and the n-th sliding one share slot n: a block holds one of the two block tables' KV)."""
+        windows = [sliding_window_of(self.config, i) for i in range(self.config.num_hidden_layers)]
+        if all(windows) or not any(windows) or len(set(filter(None, windows))) > 1:
+            return None
+        slots = [sum(bool(w) == bool(windows[i]) for w in windows[:i]) for i in range(len(windows))]
+        return next(filter(None, windows)), slots
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):

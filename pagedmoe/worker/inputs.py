@@ -36,5 +36,6 @@ def decode_inputs(positions: torch.Tensor, tables: torch.Tensor, block_size: int
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Padded with block 0, to which freed window entries (-1) point too: masked, never read."""
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp_(min=0)

@@ -44,10 +44,12 @@ class ModelRunner:
         self.model = prepare_model(config)
         self.drafter = make_drafter(config, self.model)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
+        self.sliding_window, self.layer_slots = self._hybrid_kv_layout()
+        self.num_kv_layers = max(self.layer_slots) + 1 if self.layer_slots else config.hf_config.num_hidden_layers
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
         disk_dir = (config.kv_offload_dir or tempfile.gettempdir()) if self.num_disk_blocks else None
-        self.kv_cache = KVCacheStorage(config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+        self.kv_cache = KVCacheStorage(self.num_kv_layers, self.num_kv_tensors, self.token_shape,
                                        self.num_blocks, self.num_host_blocks, config.block_size,
                                        config.torch_dtype, self.device, disk_dir)
         self.workspace = Workspace(config.torch_dtype, self.device)
@@ -69,10 +71,18 @@ class ModelRunner:
             logger.warning("decode attention falls back to gather + matmuls: %s", error)
             return None
 
+    def _hybrid_kv_layout(self) -> tuple[int | None, list[int] | None]:
+        """(sliding window, layer -> KV slot) where sliding-window layers keep their own block tables
+        (engine/kv_cache_hybrid.py); (None, None) where every layer reads one table."""
+        layout = getattr(self.model, "hybrid_kv_layout", lambda: None)()
+        if layout is None or self.config.disable_hybrid_kv_cache_manager or self.config.kv_allocation == "static":
+            return None, None
+        return layout
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block: the target's KV, and the draft model's in the same block."""
-        target = block_bytes(self.config.hf_config.num_hidden_layers, self.num_kv_tensors, self.token_shape,
+        target = block_bytes(self.num_kv_layers, self.num_kv_tensors, self.token_shape,
                              self.config.block_size, self.config.torch_dtype)
         return target + (self.drafter.block_bytes if self.drafter is not None else 0)
 
@@ -82,7 +92,7 @@ class ModelRunner:
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks, num_host
         budget = cfg.kv_cache_memory or int(available_memory(self.device) * cfg.kv_cache_memory_fraction)
-        useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size) * (2 if self.layer_slots else 1)
         num_blocks = min(budget // self.block_bytes, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block of {self.block_bytes} bytes")
@@ -133,10 +143,16 @@ class ModelRunner:
         starts = [seq.num_computed_tokens for seq in sched.seqs]
         ends = [start + n for start, n in zip(starts, sched.num_new_tokens)]
         token_lists = [_tokens(seq, start, end) for seq, start, end in zip(sched.seqs, starts, ends)]
-        input_ids, positions, meta = prepare_inputs(token_lists, starts, [seq.block_table for seq in sched.seqs],
-                                                    self.config.block_size, self.kv_cache.device_cache,
-                                                    self.workspace, self.decode_kernel)
+        input_ids, positions, meta = self._inputs(token_lists, starts, [seq.block_table for seq in sched.seqs])
+        if self.layer_slots is not None:
+            meta.window = self._inputs(token_lists, starts, [seq.window_table for seq in sched.seqs])[2]
         return input_ids, positions, meta, ends
+
+    def _inputs(self, token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]]):
+        input_ids, positions, meta = prepare_inputs(token_lists, starts, block_tables, self.config.block_size,
+                                                    self.kv_cache.device_cache, self.workspace, self.decode_kernel)
+        meta.layer_slots = self.layer_slots
+        return input_ids, positions, meta
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:
         rows = _sampling_rows(seqs, num_samples)

@@ -65,6 +65,14 @@ class AttentionMetadata:
     expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
     aux_hidden_layers: tuple[int, ...] = ()  # layers whose input hidden states the forward keeps (EAGLE-3)
     aux_hidden: list = field(default_factory=list)  # those hidden states, [num_tokens, hidden] each
+    layer_slots: list[int] | None = None  # hybrid KV: the kv_caches entry of each layer (None: its index)
+    window: "AttentionMetadata | None" = None  # hybrid KV: what sliding-window layers attend (their tables)
+
+    def layer_cache(self, layer_idx: int) -> torch.Tensor:
+        return self.kv_caches[self.layer_slots[layer_idx] if self.layer_slots is not None else layer_idx]
+
+    def for_layer(self, window: int) -> "AttentionMetadata":
+        return self.window if window and self.window is not None else self
 
 
 def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

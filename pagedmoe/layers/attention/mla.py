@@ -18,7 +18,7 @@ class MLAPagedAttention:
 
     def __call__(self, q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        cache = meta.kv_caches[self.layer_idx][0]
+        cache = meta.layer_cache(self.layer_idx)[0]
         cache.view(-1, self.entry_size).index_copy_(0, meta.slot_mapping, torch.cat((latent, k_pe), dim=-1))
         q = torch.cat((q_latent, q_pe), dim=-1)
         out = q_latent.new_empty(q_latent.shape)

@@ -24,7 +24,8 @@ class TorchPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                  sinks: torch.Tensor | None = None):
-        cache = meta.kv_caches[self.layer_idx]
+        meta = meta.for_layer(self.window)
+        cache = meta.layer_cache(self.layer_idx)
         if not cpu_ops.write_kv(cache, k, v, meta.slot_mapping):
             for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
                 half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
