@@ -101,9 +101,7 @@ class HybridKVCacheManager(KVCacheManager):
         return len(seq.block_table) + len(_live(seq.window_table)) <= self.host_pool.num_free_blocks
 
     def swap_out(self, seq: Sequence):
-        seq.host_window_table = _moved(seq.window_table, self.host_pool, self.transfers.swap_out)
-        for block_id in reversed(_live(seq.window_table)):
-            self.pool.free(block_id)
+        seq.host_window_table = _moved(seq.window_table, self.pool, self.host_pool, self.transfers.swap_out)
         seq.window_table = []
         super().swap_out(seq)
 
@@ -113,9 +111,7 @@ class HybridKVCacheManager(KVCacheManager):
         return max(num_total, len(seq.host_block_table)) + num_window <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence):
-        seq.window_table = _moved(seq.host_window_table, self.pool, self.transfers.swap_in)
-        for block_id in reversed(_live(seq.host_window_table)):
-            self.host_pool.free(block_id)
+        seq.window_table = _moved(seq.host_window_table, self.host_pool, self.pool, self.transfers.swap_in)
         seq.host_window_table = []
         super().swap_in(seq)
 
@@ -124,8 +120,11 @@ def _live(table: list[int]) -> list[int]:
     return [block_id for block_id in table if block_id != NULL_BLOCK]
 
 
-def _moved(table: list[int], pool, copies: list[tuple[int, int]]) -> list[int]:
-    """table's live blocks copied into new blocks of pool (the copies recorded), NULL entries kept."""
-    moved = [NULL_BLOCK if block_id == NULL_BLOCK else pool.allocate() for block_id in table]
+def _moved(table: list[int], src_pool, dst_pool, copies: list[tuple[int, int]]) -> list[int]:
+    """table's live blocks copied into new blocks of dst_pool (the copies recorded) and freed in src_pool;
+    NULL entries kept."""
+    moved = [NULL_BLOCK if block_id == NULL_BLOCK else dst_pool.allocate() for block_id in table]
     copies.extend((src, dst) for src, dst in zip(table, moved) if src != NULL_BLOCK)
+    for block_id in reversed(_live(table)):
+        src_pool.free(block_id)
     return moved
