@@ -16,8 +16,11 @@ class StructuredOutputManager:
             return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (the engine has skip_tokenizer_init=True)")
+        compiler = self.compiler_for_tokenizer()
+        return Grammar(compiler.xgr, compiler.compile(params.structured_outputs), self.stop_token_ids)
+
+    def compiler_for_tokenizer(self):
         if self.compiler is None:
             from pagedmoe.structured_output.compiler import GrammarCompiler
             self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
-        compiled = self.compiler.compile(params.structured_outputs)
-        return Grammar(self.compiler.xgr, compiled, self.stop_token_ids)
+        return self.compiler
