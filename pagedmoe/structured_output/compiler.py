@@ -1,6 +1,7 @@
 import json
 import re
 
+from pagedmoe.structured_output.lark import is_lark, lark_to_ebnf
 from pagedmoe.structured_output.params import StructuredOutputsParams
 
 
@@ -19,7 +20,7 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams):
         try:
             return self._compile(params)
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:
             raise ValueError(f"structured_outputs.{params.kind}: {_reason(error)}") from None
 
     def _compile(self, params: StructuredOutputsParams):
@@ -33,7 +34,7 @@ class GrammarCompiler:
             return self.compiler.compile_regex(params.regex)
         if kind == "choice":
             return self.compiler.compile_grammar(choice_grammar(params.choice))
-        return self.compiler.compile_grammar(params.grammar)
+        return self.compiler.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
 
     def bitmask_width(self) -> int:
         return -(-self.vocab_size // 32)
@@ -63,6 +64,6 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _reason(error: RuntimeError) -> str:
+def _reason(error: Exception) -> str:
     """xgrammar's message without its source-file prefix ("[12:00:00] /project/cpp/x.cc:94: ...")."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
