@@ -16,11 +16,13 @@ from pagedmoe.engine.kv_cache_hybrid import HybridKVCacheManager
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
+from pagedmoe.engine.token_params import bad_words_token_ids, check_token_params
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
 from pagedmoe.spec_decode.adaptive import decode_step_kind, make_switch
 from pagedmoe.spec_decode.proposer import SpecDecodeStats, can_speculate, make_proposer, max_draft_tokens
+from pagedmoe.structured_output.manager import StructuredOutputManager
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 PromptType = str | list[int] | dict
@@ -68,6 +70,8 @@ class LLMEngine:
         self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                         self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
@@ -105,7 +109,9 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, arrival_time, cache_salt)
         request.beam = beam
         request.eos_token_ids = set() if params.ignore_eos else self.eos_token_ids
+        request.bad_words_token_ids = bad_words_token_ids(params, self.tokenizer)
         seq = Sequence(next(self._seq_ids), request, list(token_ids))
+        seq.grammar = self.structured_output.grammar_for(params)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -144,6 +150,9 @@ class LLMEngine:
                 raise ValueError(f"{name} must be <= {max_logprobs} (max_logprobs), got {value}")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        check_token_params(params, vocab)
+        if beam is not None and params.structured_outputs is not None:
+            raise ValueError("structured_outputs cannot be combined with beam search")
         num_samples = beam.beam_width if beam else params.num_samples
         limit = min(cfg.max_num_seqs, vocab // 2) if beam else cfg.max_num_seqs
         if num_samples > limit:
@@ -391,6 +400,8 @@ class LLMEngine:
                 seq.logprobs.append(self._sample_logprobs(seq, token_id, sampled, row))
         text = self.detokenizer.append(seq, token_id)
         self._check_stop(seq, token_id, text)
+        if seq.grammar is not None:
+            _advance_grammar(seq, token_id)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 
@@ -453,6 +464,15 @@ class LLMEngine:
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist(),
                            self.spec_decode_stats.copy() if self.proposer is not None else None)
+
+
+def _advance_grammar(seq: Sequence, token_id: int):
+    """The sampler only draws tokens the grammar allows; once it has ended (its stop token), so does the
+    sequence, even with ignore_eos."""
+    if not seq.grammar.accept(token_id):
+        raise ValueError(f"structured_outputs: token {token_id} is not allowed by the grammar")
+    if seq.grammar.is_terminated and seq.finish_reason is None:
+        seq.finish_reason = "stop"
 
 
 def _stash_hidden_states(sched: SchedulerOutput, hidden: torch.Tensor):

@@ -26,6 +26,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.generators = _make_generators(params)
         self.eos_token_ids: set[int] = set()
+        self.bad_words_token_ids: list[list[int]] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.seqs: list[Sequence] = []
@@ -73,6 +74,7 @@ class Sequence:
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
         self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
         self.drafter_start = 0  # EAGLE-3: the first of them its head attends (it skipped the ones before)
+        self.grammar = None  # structured outputs: the tokens it may sample next (structured_output/grammar.py)
         self.spec_hidden: list[torch.Tensor] = []  # MTP / EAGLE: target hidden states of the positions from
         #                                              num_drafter_tokens on, one chunk per step (appends are O(1))
 
@@ -118,4 +120,5 @@ class Sequence:
         child.drafter_start = self.drafter_start
         child.cumulative_logprob, child.output_text = self.cumulative_logprob, self.output_text
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child

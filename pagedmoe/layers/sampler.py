@@ -22,6 +22,8 @@ class SamplingBatch:
     max_num_logprobs: int  # -1: no logprobs needed
     draft_token_ids: torch.Tensor | None = None  # [R] a draft sampled from a distribution q to verify, or -1
     draft_probs: torch.Tensor | None = None  # [R, V] that q (rows with a draft only)
+    logit_bias: torch.Tensor | None = None  # [R, V] added to the logits (-inf: never sampled)
+    token_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: bit t of a row set = token t allowed
 
     @property
     def all_greedy(self) -> bool:
@@ -48,8 +50,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = apply_penalties(logits, batch)
-        if batch.banned is not None:
-            logits = logits.masked_fill(batch.banned, float("-inf"))
+        logits = apply_constraints(logits, batch)
         token_ids = greedy(logits)
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)
@@ -79,6 +80,29 @@ class Sampler:
         token_ids = token_ids.clone()
         token_ids[rows] = torch.where(accept, drafts, recovered)
         return token_ids
+
+
+def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens bans, logit_bias / allowed_token_ids / bad_words, then the grammar's bitmask. A row left
+    with no token raises: the engine fails that request alone (engine/isolation.py)."""
+    if batch.banned is not None:
+        logits = logits.masked_fill(batch.banned, float("-inf"))
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    if batch.token_bitmask is not None:
+        logits = logits.masked_fill(~unpack_bitmask(batch.token_bitmask, logits.shape[-1]), float("-inf"))
+    if batch.logit_bias is not None or batch.token_bitmask is not None:
+        if not bool(torch.isfinite(logits).any(dim=-1).all()):
+            raise ValueError("no token may be sampled: allowed_token_ids, logit_bias, bad_words and the "
+                             "structured output's grammar together exclude every token")
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool, bit j of word w for token 32 w + j (xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pagedmoe.spec_decode.proposer import make_drafter
 from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
 from pagedmoe.worker.inputs import prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
+from pagedmoe.worker.logits_constraints import apply_logits_processors, grammar_bitmask, logit_bias
 from pagedmoe.worker.model_loader import prepare_model
 
 logger = logging.getLogger(__name__)
@@ -119,10 +120,16 @@ class ModelRunner:
         if any(n > 1 for n in num_samples):  # a forking sequence has no drafts: its one row serves n samples
             repeats = [r for seq, n in zip(sample_seqs, num_samples) for r in [n] * (1 + len(seq.spec_token_ids))]
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        sampled = self.sampler(logits, self._sampling_batch(sample_seqs, num_samples))
+        batch = self._sampling_batch(sample_seqs, num_samples)
+        sampled = self.sampler(self._processed(logits, sample_seqs, num_samples), batch)
         prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
                                  self._drafter_hidden(hidden, meta))
+
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence], num_samples: list[int]) -> torch.Tensor:
+        if not any(seq.params.logits_processors for seq in seqs):
+            return logits
+        return apply_logits_processors(logits.float(), _sampling_rows(seqs, num_samples))
 
     def _drafter_hidden(self, hidden: torch.Tensor, meta) -> torch.Tensor | None:
         """What the proposer drafts from: the final hidden states (MTP) or those entering its layers (EAGLE-3)."""
@@ -160,12 +167,16 @@ class ModelRunner:
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=self.device)
         counts, prompt_mask = self._penalty_inputs(rows)
         generators = [generator for _, generator, _ in rows]
+        vocab = self.config.hf_config.vocab_size
+        constraints = dict(logit_bias=logit_bias(rows, vocab, self.device),
+                           token_bitmask=grammar_bitmask(seqs, num_samples, len(rows), -(-vocab // 32), self.device))
         return SamplingBatch(
             as_tensor([p.temperature for p in params]), as_tensor([p.top_p for p in params]),
             as_tensor([p.top_k for p in params], torch.long), as_tensor([p.min_p for p in params]),
             as_tensor([p.repetition_penalty for p in params]), as_tensor([p.presence_penalty for p in params]),
             as_tensor([p.frequency_penalty for p in params]), counts, prompt_mask, self._banned(rows),
-            generators, max((_num_logprobs(p) for p in params), default=-1), *self._draft_rows(seqs, num_samples))
+            generators, max((_num_logprobs(p) for p in params), default=-1), *self._draft_rows(seqs, num_samples),
+            **constraints)
 
     def _draft_rows(self, seqs: list[Sequence], num_samples: list[int]):
         """Draft ids and distributions for the rows of sequences whose drafts were sampled (not argmax)."""
@@ -194,8 +205,8 @@ class ModelRunner:
         return counts, prompt_mask
 
     def _banned(self, rows) -> torch.Tensor | None:
-        under_min = [(r, seq) for r, (seq, _, num_drafts) in enumerate(rows)
-                     if seq.num_output_tokens + num_drafts < seq.params.min_tokens]
+        under_min = [(r, seq) for r, (seq, _, num_drafts) in enumerate(rows)  # a grammar decides its own end
+                     if seq.num_output_tokens + num_drafts < seq.params.min_tokens and seq.grammar is None]
         if not under_min:
             return None
         banned = torch.zeros(len(rows), self.config.hf_config.vocab_size, dtype=torch.bool, device=self.device)
