@@ -1,5 +1,8 @@
 """What a request asks its output to match, as SamplingParams.structured_outputs: OpenAI's response_format,
 vLLM's structured_outputs or its older guided_* fields, or the JSON a tool_choice implies. At most one."""
+import contextlib
+
+from pagedmoe.entrypoints.openai.errors import APIError
 from pagedmoe.entrypoints.openai.protocol import ResponseFormat, SamplingRequest, Tool
 from pagedmoe.sampling_params import StructuredOutputsParams
 
@@ -8,8 +11,10 @@ GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice":
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def structured_outputs(body: SamplingRequest, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
-    """Raises ValueError naming the fields when more than one source constrains the output."""
+def structured_outputs(body: SamplingRequest,
+                       tool_schema: dict | None = None) -> tuple[str | None, StructuredOutputsParams | None]:
+    """(the request field that constrains the output, its params); raises ValueError naming the fields
+    when more than one does."""
     sources = {"response_format": _from_response_format(body.response_format),
                "structured_outputs": body.structured_outputs and body.structured_outputs.to_params(),
                **_from_guided(body),
@@ -17,7 +22,18 @@ def structured_outputs(body: SamplingRequest, tool_schema: dict | None = None) -
     given = {name: params for name, params in sources.items() if params is not None}
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)} cannot be combined: each constrains the output; give one")
-    return next(iter(given.values()), None)
+    return next(iter(given.items()), (None, None))
+
+
+@contextlib.contextmanager
+def errors_named_after(source: str | None):
+    """The engine refuses a bad schema, regex or grammar as structured_outputs: name the field sent."""
+    try:
+        yield
+    except APIError as e:
+        if source not in (None, "structured_outputs") and e.param == "structured_outputs":
+            e.param, e.message = source, f"{source}: {e.message}"
+        raise
 
 
 def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutputsParams | None:

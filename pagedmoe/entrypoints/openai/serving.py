@@ -73,6 +73,15 @@ class ServingContext:
             raise APIError(400, f"messages: chat template failed: {e}", param="messages", code="invalid_value")
         return await self.text_prompt(text, add_special_tokens=False)
 
+    def truncated(self, prompt: dict, keep: int | None) -> dict:
+        """vLLM's truncate_prompt_tokens, applied where vLLM applies it (the frontend): the last `keep`
+        prompt tokens (-1: max_model_len). The text no longer matches, so only the ids go on."""
+        if keep is None:
+            return prompt
+        ids = prompt["prompt_token_ids"]
+        keep = self.client.max_model_len if keep == -1 else keep
+        return prompt if len(ids) <= keep else {"prompt_token_ids": ids[-keep:]}
+
     async def open_streams(self, request_id: str, prompts: list[dict], params: SamplingParams,
                            cache_salt: str | None) -> list[RequestStream]:
         """One engine request per prompt; cache_salt rides in the prompt dict, where the engine reads it."""

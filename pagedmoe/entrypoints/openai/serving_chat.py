@@ -9,7 +9,7 @@ from fastapi import Request
 
 from pagedmoe.entrypoints.openai.errors import APIError
 from pagedmoe.entrypoints.openai.logprobs import chat_logprobs
-from pagedmoe.entrypoints.openai.output_constraints import structured_outputs
+from pagedmoe.entrypoints.openai.output_constraints import errors_named_after, structured_outputs
 from pagedmoe.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
 from pagedmoe.entrypoints.openai.streaming import (DONE, Delta, DeltaTracker, SSEResponse, error_event, sse,
@@ -23,10 +23,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_model(body.model)
     plan = plan_tools(body, ctx.auto_tool_parser)
     with value_errors_as_400():
-        params = body.to_chat_sampling_params(structured_outputs(body, plan.schema))
+        source, constraint = structured_outputs(body, plan.schema)
+        params = body.to_chat_sampling_params(constraint)
     prompt = await ctx.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
+    prompt = ctx.truncated(prompt, body.truncate_prompt_tokens)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    with _chat_field_names():
+    with _chat_field_names(), errors_named_after(source):
         streams = await ctx.open_streams(request_id, [prompt], params, body.cache_salt)
     header = {"id": request_id, "created": created, "model": ctx.model_name}
     if body.stream:

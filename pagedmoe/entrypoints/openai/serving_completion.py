@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagedmoe.entrypoints.openai.logprobs import completion_logprobs, echo_logprobs, joined_logprobs, prompt_logprobs
-from pagedmoe.entrypoints.openai.output_constraints import structured_outputs
+from pagedmoe.entrypoints.openai.output_constraints import errors_named_after, structured_outputs
 from pagedmoe.entrypoints.openai.protocol import CompletionRequest
 from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
 from pagedmoe.entrypoints.openai.streaming import (DONE, DeltaTracker, SSEResponse, error_event, sse, stop_holdback,
@@ -30,10 +30,13 @@ class PromptPart:
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request):
     ctx.check_model(body.model)
     with value_errors_as_400():
-        params = body.to_completion_params(structured_outputs(body))
-        prompts = [await ctx.text_prompt(prompt) for prompt in body.prompts()]
+        source, constraint = structured_outputs(body)
+        params = body.to_completion_params(constraint)
+        prompts = [ctx.truncated(await ctx.text_prompt(prompt), body.truncate_prompt_tokens)
+                   for prompt in body.prompts()]
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await ctx.open_streams(request_id, prompts, params, body.cache_salt)
+    with errors_named_after(source):
+        streams = await ctx.open_streams(request_id, prompts, params, body.cache_salt)
     header = {"id": request_id, "object": OBJECT, "created": created, "model": ctx.model_name}
     if body.stream:
         return SSEResponse(_events(ctx, streams, body, header))
