@@ -50,6 +50,9 @@ def test_prompt_logprobs_match_the_engine(server, text_model, offline):
     for token_id, entry, reference in zip(ids[1:], choice["prompt_logprobs"][1:], expected.prompt_logprobs[1:]):
         assert str(token_id) in entry and 2 <= len(entry) <= 3
         assert entry[str(token_id)]["logprob"] == pytest.approx(reference[token_id].logprob, abs=1e-4)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1, "prompt_logprobs": 0}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=HEADERS).json()
+    assert answer["prompt_logprobs"][0] is None and answer["usage"]["prompt_tokens"] == len(answer["prompt_logprobs"])
 
 
 def test_logit_bias_forces_a_token(client, text_model):

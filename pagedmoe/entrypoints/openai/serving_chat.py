@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from pagedmoe.entrypoints.openai.errors import APIError
-from pagedmoe.entrypoints.openai.logprobs import chat_logprobs
+from pagedmoe.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from pagedmoe.entrypoints.openai.output_constraints import errors_named_after, structured_outputs
 from pagedmoe.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
@@ -35,7 +35,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         return SSEResponse(_events(ctx, streams, body, plan, {**header, "object": "chat.completion.chunk"}))
     finals = await unless_disconnected(raw, ctx.final_outputs(streams))
     choices = [_choice(out, body, plan) for out in finals[0].outputs]
-    return {**header, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+    response = {**header, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+    if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices
+        response["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs)
+    return response
 
 
 def _choice(out: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) -> dict:
