@@ -126,7 +126,13 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                    min_p: torch.Tensor) -> torch.Tensor:
     """The distribution rows sample from: temperature (0, greedy, as 1), then top-k, top-p and min-p."""
     temperature = torch.where(temperature == 0, 1.0, temperature)
-    return filter_top_k_top_p_min_p(logits / temperature[:, None], top_k, top_p, min_p).softmax(dim=-1)
+    logits = logits / temperature[:, None]
+    rows = ((top_k > 0) | (top_p < 1) | (min_p > 0)).nonzero().squeeze(1)
+    if len(rows) == len(logits):
+        logits = filter_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    elif len(rows):  # the sort costs more than the rest of sampling: only rows with a filter pay it
+        logits[rows] = filter_top_k_top_p_min_p(logits[rows], top_k[rows], top_p[rows], min_p[rows])
+    return logits.softmax(dim=-1)
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
