@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.layers.attention.metadata import Workspace
-from pagedmoe.layers.sampler import exponential_noise, sampling_probs
+from pagedmoe.layers.sampler import inverse_cdf, sampling_probs, uniform_noise
 from pagedmoe.spec_decode.config import SpeculativeConfig
 from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedDraftModel
 from pagedmoe.worker.inputs import decode_inputs, pad_block_tables, prepare_inputs
@@ -166,8 +166,8 @@ class DraftModelProposer:
         if self.spec.draft_sample_method == "greedy" or not sampled:
             return tokens.tolist(), [None] * len(seqs)
         probs = draft_probs(logits[sampled], [seqs[i].params for i in sampled])
-        noise = exponential_noise(probs, [seqs[i].generator for i in sampled], self.generator)
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        generators = [seqs[i].generator for i in sampled]
+        tokens[sampled] = inverse_cdf(probs, uniform_noise(range(len(sampled)), generators, self.generator))
         rows = [None] * len(seqs)
         for index, row in zip(sampled, probs):
             rows[index] = row

@@ -108,3 +108,28 @@ def test_penalties_and_filters_hand_computed():
     assert kept(top_p=torch.tensor([0.7])) == [True, True, False, False]
     assert kept(top_p=torch.tensor([0.1])) == [True, False, False, False]
     assert kept(min_p=torch.tensor([0.5])) == [True, True, False, False]
+
+
+def test_only_rows_with_a_filter_are_filtered():
+    """sampling_probs sorts only the rows with top-k, top-p or min-p: the others are softmax(logits / T)."""
+    from pagedmoe.layers.sampler import sampling_probs
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    temperature = torch.tensor([0.5, 1.0, 0.0, 2.0])
+    top_k, top_p, min_p = torch.tensor([0, 5, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.5]), torch.zeros(4)
+    probs = sampling_probs(logits.clone(), temperature, top_k, top_p, min_p)
+    scaled = logits / torch.tensor([0.5, 1.0, 1.0, 2.0])[:, None]
+    assert torch.equal(probs[[0, 2]], scaled[[0, 2]].softmax(-1))
+    expected = filter_top_k_top_p_min_p(scaled[[1, 3]], top_k[[1, 3]], top_p[[1, 3]], min_p[[1, 3]]).softmax(-1)
+    assert torch.equal(probs[[1, 3]], expected)
+    assert (probs[1] > 0).sum() == 5 and (probs[3] > 0).sum() < 50
+
+
+def test_inverse_cdf_draws_the_distribution_and_never_a_zero():
+    from pagedmoe.layers.sampler import inverse_cdf
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]] * 20000)
+    uniform = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(inverse_cdf(probs, uniform), minlength=6) / 20000
+    assert counts[[0, 2, 5]].sum() == 0 and (counts - probs[0]).abs().sum() / 2 < 0.02
+    edges = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs[:2], edges).tolist() == [1, 4]
