@@ -168,6 +168,8 @@ def test_tool_conversation_renders_through_the_template(bundled, client):
     assert '<tool_call>{"name": "duel", "arguments": {"rival": "Tybalt"}}</tool_call>' in text
     assert "<tool_response>\nTybalt is slain.\n</tool_response>" in text and '"name": "get_weather"' in text
     assert out.usage.prompt_tokens == len(tokenizer(text, add_special_tokens=False).input_ids)
+    tokenized = post(bundled, "/tokenize", {"messages": history, "tools": TOOLS}).json()
+    assert tokenized["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
 
 
 @pytest.mark.parametrize("body, param", [

@@ -43,7 +43,8 @@ def test_hermes_without_tags_is_all_content():
 
 
 def test_llama3_json_single_call_and_python_tag():
-    assert calls(LLAMA.extract('{"name": "get_time", "parameters": {"zone": "CET"}}')) == [("get_time", {"zone": "CET"})]
+    single = LLAMA.extract('{"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert calls(single) == [("get_time", {"zone": "CET"})]
     out = LLAMA.extract('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": ";"}}')
     assert calls(out) == [("a", {}), ("b", {"x": ";"})] and out.content == ""
 

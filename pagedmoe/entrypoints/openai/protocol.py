@@ -268,6 +268,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
