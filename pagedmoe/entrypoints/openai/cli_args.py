@@ -28,6 +28,8 @@ def add_serve_args(parser: argparse.ArgumentParser):
 
 def main(args: argparse.Namespace):
     from pagedmoe.entrypoints.openai.server import run_server
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedmoe serve: --enable-auto-tool-choice needs --tool-call-parser")
     model = args.model or DEFAULT_MODEL
     run_server(model, args.host, args.port, args.api_key,
                served_model_name=args.served_model_name or args.model or os.path.basename(DEFAULT_MODEL),
