@@ -33,11 +33,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model_dir: str, max_waiting_requests: int = 512, max_body_bytes: int = 1 << 20, **engine_kwargs):
-    """The real app under uvicorn in a background thread, on a free localhost port."""
+def serve(model_dir: str, max_waiting_requests: int = 512, max_body_bytes: int = 1 << 20,
+          app_options: dict | None = None, **engine_kwargs):
+    """The real app under uvicorn in a background thread, on a free localhost port. app_options: more
+    build_app arguments (e.g. the tool-call flags)."""
     engine = LLMEngine.from_engine_args(model_dir, dtype="float32", **engine_kwargs)
     client = AsyncLLMEngine(engine, max_waiting_requests).start()
-    app = build_app(client, api_key=API_KEY, model_name=MODEL, max_body_bytes=max_body_bytes)
+    app = build_app(client, api_key=API_KEY, model_name=MODEL, max_body_bytes=max_body_bytes, **(app_options or {}))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

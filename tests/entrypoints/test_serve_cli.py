@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 import pagedmoe.entrypoints.openai.server as server_module
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
@@ -48,3 +49,15 @@ def test_serve_process_answers_and_stops_on_sigint(text_model):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
+
+
+def test_tool_flags_reach_run_server_and_need_each_other(monkeypatch):
+    calls = []
+    monkeypatch.setattr(server_module, "run_server", lambda *args, **kwargs: calls.append(kwargs))
+    main(_parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert calls[0]["enable_auto_tool_choice"] is True and calls[0]["tool_call_parser"] == "hermes"
+    with pytest.raises(SystemExit, match="--tool-call-parser"):
+        main(_parse(["--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):
+        _parse(["--tool-call-parser", "mistral"])
+    assert len(calls) == 1

@@ -28,8 +28,8 @@ def _error(response: httpx.Response, status: int) -> dict:
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5] * 600}, "prompt"),
     ({"prompt": [99999]}, "prompt_token_ids"),
-    ({"echo": True}, "echo"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"suffix": "and then"}, "suffix"),
+    ({"logit_bias": {"five": 10}}, "logit_bias"),
 ])
 def test_bad_values_are_400_naming_the_field(server, fields, param):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}

@@ -3,6 +3,7 @@ import argparse
 import os
 
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from pagedmoe.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_args(parser: argparse.ArgumentParser):
@@ -18,16 +19,23 @@ def add_serve_args(parser: argparse.ArgumentParser):
                         help="requests the scheduler may hold unadmitted before answering 503")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice "auto" (the default with tools) extract calls with --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how tool calls are written in the model's output (hermes also serves Qwen)")
     add_engine_args(parser)
 
 
 def main(args: argparse.Namespace):
     from pagedmoe.entrypoints.openai.server import run_server
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedmoe serve: --enable-auto-tool-choice needs --tool-call-parser")
     model = args.model or DEFAULT_MODEL
     run_server(model, args.host, args.port, args.api_key,
                served_model_name=args.served_model_name or args.model or os.path.basename(DEFAULT_MODEL),
                max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_request_body_bytes,
-               log_level=args.log_level, **engine_kwargs(args))
+               log_level=args.log_level, enable_auto_tool_choice=args.enable_auto_tool_choice,
+               tool_call_parser=args.tool_call_parser, **engine_kwargs(args))
 
 
 if __name__ == "__main__":

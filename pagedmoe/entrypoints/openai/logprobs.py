@@ -47,3 +47,26 @@ def _text(logprob: Logprob, token_id: int) -> str:
 
 def _value(logprob: Logprob) -> float:
     return max(logprob.logprob, MIN_LOGPROB)
+
+
+def echo_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], first_token: str) -> dict:
+    """The prompt's logprobs for echo; its first token has none (nothing precedes it)."""
+    rest = completion_logprobs(entries[1:], token_ids[1:], len(first_token))
+    return {"tokens": [first_token] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def joined_logprobs(prompt: dict | None, output: dict) -> dict:
+    if prompt is None:
+        return output
+    return {key: prompt[key] + output[key] for key in output}
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(token_id): {"logprob": _value(logprob), "rank": logprob.rank,
+                                                        "decoded_token": logprob.decoded_token}
+                                        for token_id, logprob in entry.items()}
+            for entry in entries]

@@ -20,6 +20,7 @@ from pagedmoe.entrypoints.openai.serving import ServingContext
 from pagedmoe.entrypoints.openai.serving_chat import create_chat_completion
 from pagedmoe.entrypoints.openai.serving_completion import create_completion
 from pagedmoe.entrypoints.openai.serving_tokenize import detokenize, tokenize
+from pagedmoe.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 GENERATE_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
@@ -32,8 +33,10 @@ EMPTY_OK = {200: {"description": "Healthy (empty body)", "content": {}}}
 
 
 def build_app(engine_client: AsyncLLMEngine, api_key: str | None = None, model_name: str = "pagedmoe",
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    ctx = ServingContext(engine_client, model_name, ServerMetrics(engine_client, model_name))
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
+    ctx = ServingContext(engine_client, model_name, ServerMetrics(engine_client, model_name),
+                         auto_tool_parser(enable_auto_tool_choice, tool_call_parser))
     app = FastAPI(title="pagedmoe", summary="OpenAI-compatible API over the pagedmoe engine",
                   version=package_version())
     app.include_router(_api_router(ctx))
@@ -45,6 +48,15 @@ def build_app(engine_client: AsyncLLMEngine, api_key: str | None = None, model_n
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+def auto_tool_parser(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> str | None:
+    """vLLM's rule: tool_choice "auto" needs both flags; the first alone is a startup error."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not one of {sorted(TOOL_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return tool_call_parser if enable_auto_tool_choice else None
 
 
 def package_version() -> str:
@@ -121,13 +133,16 @@ def _probe_router(ctx: ServingContext) -> APIRouter:
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_waiting_requests: int = 512,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", **engine_kwargs):
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None, **engine_kwargs):
     """Serves until Ctrl-C; if the engine dies, the server stops and the process exits non-zero, so a
     supervisor can restart it."""
     if engine_kwargs.get("num_threads") is None:
         engine_kwargs["num_threads"] = default_num_threads(serving=True)
+    auto_tool_parser(enable_auto_tool_choice, tool_call_parser)  # bad flags fail before the model loads
     client = AsyncLLMEngine.from_engine_args(model, max_waiting_requests, **engine_kwargs)
-    app = build_app(client, api_key, served_model_name or model, max_body_bytes)
+    app = build_app(client, api_key, served_model_name or model, max_body_bytes, enable_auto_tool_choice,
+                    tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
     deaths = []

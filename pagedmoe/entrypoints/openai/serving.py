@@ -13,7 +13,7 @@ import jinja2
 from pagedmoe.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedmoe.entrypoints.openai.errors import APIError, bad_request
 from pagedmoe.entrypoints.openai.metrics import ServerMetrics
-from pagedmoe.entrypoints.openai.protocol import ChatMessage
+from pagedmoe.entrypoints.openai.protocol import ChatMessage, Tool
 from pagedmoe.entrypoints.openai.streaming import merge_streams
 from pagedmoe.outputs import RequestOutput
 from pagedmoe.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ class ServingContext:
     client: AsyncLLMEngine
     model_name: str
     metrics: ServerMetrics
+    auto_tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedmoe-tokenizer"))
 
@@ -60,15 +61,26 @@ class ServingContext:
         encoded = await self.in_tokenizer_thread(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
         return {"prompt": prompt, "prompt_token_ids": encoded.input_ids}
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[Tool] | None = None) -> dict:
         with value_errors_as_400():
             conversation = [m.as_template_input() for m in messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         try:
-            text = await self.in_tokenizer_thread(self.tokenizer.apply_chat_template, conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+            text = await self.in_tokenizer_thread(self.tokenizer.apply_chat_template, conversation, tools=tools,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: chat template failed: {e}", param="messages", code="invalid_value")
         return await self.text_prompt(text, add_special_tokens=False)
+
+    def truncated(self, prompt: dict, keep: int | None) -> dict:
+        """vLLM's truncate_prompt_tokens, applied where vLLM applies it (the frontend): the last `keep`
+        prompt tokens (-1: max_model_len). The text no longer matches, so only the ids go on."""
+        if keep is None:
+            return prompt
+        ids = prompt["prompt_token_ids"]
+        keep = self.client.max_model_len if keep == -1 else keep
+        return prompt if len(ids) <= keep else {"prompt_token_ids": ids[-keep:]}
 
     async def open_streams(self, request_id: str, prompts: list[dict], params: SamplingParams,
                            cache_salt: str | None) -> list[RequestStream]:

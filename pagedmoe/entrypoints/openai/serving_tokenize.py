@@ -12,7 +12,7 @@ from pagedmoe.entrypoints.openai.serving import ServingContext
 async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> JSONResponse:
     ctx.check_model(body.model)
     if body.messages is not None:
-        prompt = await ctx.chat_prompt(body.messages, body.add_generation_prompt)
+        prompt = await ctx.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
     elif body.prompt is not None:
         prompt = await ctx.text_prompt(body.prompt, body.add_special_tokens)
     else:
