@@ -13,12 +13,8 @@ EOS_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 1024
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SPECIAL_TOKENS = [EOS_TOKEN, "<|pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ (speaker | default('assistant')) | upper }}:\n{% endif %}"
-)
+# "ROLE:\ncontent\n\n" per message; tools, assistant tool_calls and tool messages in the Hermes style
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
 def train_bpe(text: str, vocab_size: int) -> Tokenizer:

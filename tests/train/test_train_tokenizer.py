@@ -65,3 +65,15 @@ def test_cli_exits_with_the_message_when_the_corpus_is_missing(tmp_path, monkeyp
     flags = ["--tokenizer-dir", str(tokenizer_dir)] if command == "train" else []
     with pytest.raises(SystemExit, match=r"(?s)^error: corpus not found; tried:.*missing\.txt.*--corpus PATH"):
         main([command, "--corpus", "missing.txt", "--out-dir", str(tmp_path / "out"), *flags])
+
+
+def test_bundled_models_carry_the_trainer_chat_template():
+    """A retrained model renders tools as the bundled ones do: one template, pagedmoe/train/chat_template.jinja."""
+    import json
+    from pathlib import Path
+
+    from pagedmoe.train.tokenizer import CHAT_TEMPLATE
+    models = Path(__file__).resolve().parents[2] / "models"
+    for name in ("pagedmoe-moe-default", "pagedmoe-draft-dense"):
+        assert (models / name / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+        assert json.loads((models / name / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE

@@ -45,7 +45,8 @@ def _choice(out: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) 
     message, finish_reason = {"role": "assistant", "content": out.text}, out.finish_reason
     if plan.parser is not None:
         extraction = plan.parser.extract(out.text)
-        message, finish_reason = tool_message(extraction), tool_finish_reason(extraction, out.finish_reason)
+        message, finish_reason = tool_message(extraction), tool_finish_reason(plan.parser, bool(extraction.calls),
+                                                                                 out.finish_reason)
     return {"index": out.index, "message": message, "logprobs": _logprobs(out, 0, len(out.token_ids), body),
             "finish_reason": finish_reason, "stop_reason": out.stop_reason}
 
@@ -85,7 +86,7 @@ def _tool_delta_choice(out: CompletionOutput, delta: Delta, tracker: ToolDeltaTr
     message = tracker.advance(out.text[:delta.text_start + len(delta.text)], finished)
     if not (message or finished or delta.token_end > delta.token_start and body.logprobs):
         return None
-    finish_reason = "tool_calls" if finished and tracker.made_calls and out.finish_reason == "stop" \
+    finish_reason = tool_finish_reason(tracker.parser, tracker.made_calls, out.finish_reason) if finished \
         else out.finish_reason
     return _delta_choice(out, delta, message, finish_reason, body)
 

@@ -65,8 +65,8 @@ def tool_message(extraction: Extraction) -> dict:
             "tool_calls": calls}
 
 
-def tool_finish_reason(extraction: Extraction, finish_reason: str | None) -> str | None:
-    return "tool_calls" if extraction.calls and finish_reason == "stop" else finish_reason
+def tool_finish_reason(parser: ToolParser, made_calls: bool, finish_reason: str | None) -> str | None:
+    return parser.calls_finish_reason if made_calls and finish_reason == "stop" else finish_reason
 
 
 @dataclass

@@ -19,6 +19,8 @@ class Extraction:
 
 
 class ToolParser:
+    calls_finish_reason = "tool_calls"  # a choice that ended by itself and made calls
+
     def extract(self, text: str, final: bool = True) -> Extraction:
         raise NotImplementedError
 

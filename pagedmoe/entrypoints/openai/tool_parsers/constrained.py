@@ -7,7 +7,9 @@ from pagedmoe.entrypoints.openai.tool_parsers.base import (Extraction, ParsedCal
 
 
 class NamedToolParser(ToolParser):
-    """The text is the call's arguments; they stream as they are generated."""
+    """The text is the call's arguments; they stream as they are generated. As OpenAI and vLLM, a forced
+    function ends with finish_reason "stop"."""
+    calls_finish_reason = "stop"
 
     def __init__(self, name: str):
         self.name = name
