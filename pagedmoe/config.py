@@ -46,6 +46,12 @@ class EngineConfig:
     speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
     quantization_mode: str = "packed"  # 4-bit checkpoints on CPU: "packed" (kept 4-bit) or "dequantize" (exact)
     quantization: str | None = None  # as vLLM's: the method the checkpoint must be in (mxfp4, modelopt_fp4, fp8)
+    tensor_parallel_size: int = 1  # ranks, each a spawned process holding a shard (distributed/)
+    enable_expert_parallel: bool = False  # MoE experts whole on each rank instead of split like the MLP
+    data_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
+    master_port: int | None = None  # None: a free port
+    distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -73,8 +79,20 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        self._check_parallel()
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def _check_parallel(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size must be 1 for now (data parallelism is not built yet), "
+                             f"got {self.data_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

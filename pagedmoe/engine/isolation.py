@@ -17,8 +17,10 @@ class EngineStepError(RuntimeError):
 
 
 def is_fatal(error: BaseException) -> bool:
-    """Out of memory, interrupts and exits say nothing about the request that happened to be running."""
-    return not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.OutOfMemoryError))
+    """Out of memory, interrupts and exits say nothing about the request that happened to be running, nor
+    does an error that marks itself fatal (a rank of a multi-process engine died)."""
+    fatal = (MemoryError, torch.OutOfMemoryError)
+    return not isinstance(error, Exception) or isinstance(error, fatal) or getattr(error, "is_fatal", False)
 
 
 def split_by_request(sched: SchedulerOutput) -> list[tuple[Request, SchedulerOutput]]:

@@ -201,6 +201,10 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def shutdown(self):
+        """Stops the other ranks of a multi-process engine (a no-op in one process)."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

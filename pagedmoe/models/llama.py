@@ -115,7 +115,8 @@ class DecoderForCausalLM(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size)
 
     def kv_cache_token_shape(self) -> tuple[int, tuple[int, ...]]:
-        return 2 * self.config.num_key_value_heads, (head_dim_of(self.config),)
+        """K and V of this rank's KV heads (all of them in one process)."""
+        return 2 * self.layers[0].self_attn.num_kv_heads, (head_dim_of(self.config),)
 
     def hybrid_kv_layout(self) -> tuple[int, list[int]] | None:
         """Where full and sliding-window layers mix: the window, and each layer's KV storage slot (the n-th

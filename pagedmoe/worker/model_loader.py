@@ -26,9 +26,17 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def prepare_model(config: EngineConfig) -> torch.nn.Module:
-    """The model loaded, its weights pre-packed and its CPU kernels attached, as the config asks."""
-    return finish_model(load_model(config), config)
+def prepare_model(config: EngineConfig, rank=None) -> torch.nn.Module:
+    """The model loaded (this rank's shard of it, under tensor parallelism), its weights pre-packed and its
+    CPU kernels attached, as the config asks."""
+    model = load_model(config)
+    if rank is not None and rank.world_size > 1:
+        from pagedmoe.distributed.tensor_parallel import shard_model
+        if keeps_fp4_packed(model, config) and read_quantization_config(config.model, config.hf_config):
+            raise ValueError("tensor_parallel_size: 4-bit packed checkpoints are not split yet; "
+                             "use quantization_mode='dequantize'")
+        model = shard_model(model, rank, config.enable_expert_parallel)
+    return finish_model(model, config)
 
 
 def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.config import EngineConfig
+from pagedmoe.distributed.parallel_state import RankInfo, broadcast_object
+from pagedmoe.engine.kv_cache_manager import BlockTransfers
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
@@ -32,17 +34,33 @@ class ModelRunnerOutput:
     hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] the final hidden states, for an MTP proposer
 
 
-class ModelRunner:
-    """Turns a scheduled step into flat tensors and runs ONE forward for every scheduled sequence."""
+@dataclass
+class StepPlan:
+    """What every rank needs to run a step's forward: the tokens, positions and block tables, and the rows
+    of each compute_logits call (one for the sampled rows, then one per prompt-logprob sequence)."""
+    token_lists: list[list[int]]
+    starts: list[int]
+    block_tables: list[list[int]]
+    window_tables: list[list[int]] | None
+    logits_rows: list[list[int]]
 
-    def __init__(self, config: EngineConfig):
+
+class ModelRunner:
+    """Turns a scheduled step into flat tensors and runs ONE forward for every scheduled sequence. With
+    tensor_parallel_size > 1 this is rank 0 (the driver): it spawns the other ranks (distributed/executor.py)
+    and broadcasts each step's block transfers and StepPlan, which every rank runs on its shard."""
+
+    def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config, self.device = config, torch.device(config.device)
+        self.rank = rank or RankInfo(0, config.tensor_parallel_size)
+        self.executor = self._start_ranks()
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         self.threads = None
         if self.device.type == "cpu":
-            self.threads = ThreadGovernor(config.num_threads or default_num_threads(), config.adaptive_threads)
-        self.model = prepare_model(config)
+            num_threads = config.num_threads or max(default_num_threads() // self.rank.world_size, 1)
+            self.threads = ThreadGovernor(num_threads, config.adaptive_threads)
+        self.model = prepare_model(config, self.rank)
         self.drafter = make_drafter(config, self.model)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.sliding_window, self.layer_slots = self._hybrid_kv_layout()
@@ -60,6 +78,16 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
+
+    def _start_ranks(self):
+        if not self.rank.is_driver or self.rank.world_size == 1:
+            return None
+        from pagedmoe.distributed.executor import MultiprocExecutor
+        return MultiprocExecutor(self.config)
+
+    def shutdown(self):
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
         if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
@@ -88,6 +116,12 @@ class ModelRunner:
         return target + (self.drafter.block_bytes if self.drafter is not None else 0)
 
     def _num_blocks(self) -> tuple[int, int]:
+        """Every rank holds the same blocks (its heads of them): rank 0 sizes the pool for all."""
+        if self.rank.world_size == 1:
+            return self._own_num_blocks()
+        return broadcast_object(self._own_num_blocks() if self.rank.is_driver else None)
+
+    def _own_num_blocks(self) -> tuple[int, int]:
         cfg = self.config
         num_host = max(cfg.swap_space // self.block_bytes, 1)
         if cfg.num_kv_blocks:
@@ -101,28 +135,29 @@ class ModelRunner:
 
     def apply_transfers(self, sched: SchedulerOutput):
         """The step's block copies (swap, offload, copy-on-write, prefix loads), once, before its forward."""
+        if self.executor is not None and any(vars(sched.transfers).values()):
+            self.executor.broadcast(sched.transfers)
         self.kv_cache.apply(sched.transfers)
         if self.drafter is not None:
             self.drafter.apply(sched.transfers)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.threads is not None:
-            self.threads.update()
-        input_ids, positions, meta, ends = self._prepare_inputs(sched)
-        if self.expert_load_shape:
-            meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
-        meta.aux_hidden_layers = self.drafter.aux_layers if self.drafter is not None else ()
-        hidden = self.model(input_ids, positions, meta)
+        ends = [seq.num_computed_tokens + n for seq, n in zip(sched.seqs, sched.num_new_tokens)]
+        prompt_rows = self._prompt_logprob_rows(sched, ends)
+        plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])
+        if self.executor is not None:
+            self.executor.broadcast(plan)
+        hidden, meta, all_logits = self.run_plan(plan)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
-        logits = self.model.compute_logits(hidden[self._sample_rows(sched, ends)])
+        logits = all_logits[0]
         if any(n > 1 for n in num_samples):  # a forking sequence has no drafts: its one row serves n samples
             repeats = [r for seq, n in zip(sample_seqs, num_samples) for r in [n] * (1 + len(seq.spec_token_ids))]
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         batch = self._sampling_batch(sample_seqs, num_samples)
         sampled = self.sampler(self._processed(logits, sample_seqs, num_samples), batch)
-        prompt_logprobs = self._prompt_logprobs(sched, ends, hidden)
+        prompt_logprobs = self._prompt_logprobs(sched, prompt_rows, all_logits[1:])
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
                                  self._drafter_hidden(hidden, meta))
 
@@ -137,23 +172,38 @@ class ModelRunner:
             return None
         return torch.cat(meta.aux_hidden, dim=-1) if meta.aux_hidden_layers else hidden
 
-    def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan):
+        """The step's forward and its compute_logits calls (the LM head may gather over ranks, so every rank
+        makes the same calls); block transfers, from the driver's apply_transfers, are applied instead."""
+        if isinstance(plan, BlockTransfers):
+            return self.kv_cache.apply(plan)
+        if self.threads is not None:
+            self.threads.update()
+        input_ids, positions, meta = self._inputs(plan.token_lists, plan.starts, plan.block_tables)
+        if plan.window_tables is not None:
+            meta.window = self._inputs(plan.token_lists, plan.starts, plan.window_tables)[2]
+        if self.expert_load_shape:
+            meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
+        meta.aux_hidden_layers = self.drafter.aux_layers if self.drafter is not None else ()
+        hidden = self.model(input_ids, positions, meta)
+        rows = [torch.tensor(r, dtype=torch.long, device=self.device) for r in plan.logits_rows]
+        return hidden, meta, [self.model.compute_logits(hidden[r]) for r in rows]
+
+    def _plan(self, sched: SchedulerOutput, ends: list[int], logits_rows: list[list[int]]) -> StepPlan:
+        starts = [seq.num_computed_tokens for seq in sched.seqs]
+        windows = [seq.window_table for seq in sched.seqs] if self.layer_slots is not None else None
+        return StepPlan([_tokens(seq, start, end) for seq, start, end in zip(sched.seqs, starts, ends)], starts,
+                        [seq.block_table for seq in sched.seqs], windows, logits_rows)
+
+    def _sample_rows(self, sched: SchedulerOutput, ends: list[int]) -> list[int]:
         rows, offset = [], 0
         for seq, num_new, end in zip(sched.seqs, sched.num_new_tokens, ends):
             offset += num_new
             num_drafts = len(seq.spec_token_ids)
             if end == len(seq) + num_drafts:
                 rows.extend(range(offset - 1 - num_drafts, offset))
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    def _prepare_inputs(self, sched: SchedulerOutput):
-        starts = [seq.num_computed_tokens for seq in sched.seqs]
-        ends = [start + n for start, n in zip(starts, sched.num_new_tokens)]
-        token_lists = [_tokens(seq, start, end) for seq, start, end in zip(sched.seqs, starts, ends)]
-        input_ids, positions, meta = self._inputs(token_lists, starts, [seq.block_table for seq in sched.seqs])
-        if self.layer_slots is not None:
-            meta.window = self._inputs(token_lists, starts, [seq.window_table for seq in sched.seqs])[2]
-        return input_ids, positions, meta, ends
+        return rows
 
     def _inputs(self, token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]]):
         input_ids, positions, meta = prepare_inputs(token_lists, starts, block_tables, self.config.block_size,
@@ -215,15 +265,22 @@ class ModelRunner:
             banned[row, torch.tensor(stop_ids, dtype=torch.long, device=self.device)] = True
         return banned
 
-    def _prompt_logprobs(self, sched, ends, hidden) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
-        result, offset = {}, 0
+    def _prompt_logprob_rows(self, sched, ends) -> list[tuple[Sequence, list[int]]]:
+        """Sequences whose prompt logprobs this step computes, with their rows of the step's hidden states."""
+        result, offset = [], 0
         for seq, num_new, end in zip(sched.seqs, sched.num_new_tokens, ends):
             start, offset = end - num_new, offset + num_new
             last = min(end, seq.num_prompt_tokens - 1)
             if seq.request.needs_prompt_logprobs and seq.sample_index == 0 and last > start:
-                rows = hidden[offset - num_new: offset - num_new + last - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                result[seq.seq_id] = (start + 1, logprobs, torch.tensor(seq.token_ids[start + 1:last + 1]))
+                result.append((seq, list(range(offset - num_new, offset - num_new + last - start))))
+        return result
+
+    def _prompt_logprobs(self, sched, prompt_rows, logits) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        result = {}
+        for (seq, rows), seq_logits in zip(prompt_rows, logits):
+            start = seq.num_computed_tokens
+            logprobs = torch.log_softmax(seq_logits.float(), dim=-1)
+            result[seq.seq_id] = (start + 1, logprobs, torch.tensor(seq.token_ids[start + 1:start + 1 + len(rows)]))
         return result
 
 

@@ -9,7 +9,16 @@ from pagedmoe.layers.activation import ACTIVATIONS, silu_and_mul, swigluoai_and_
 from pagedmoe.layers.linear import packed_linear
 
 def expert_counts(topk_ids: Tensor, num_experts: int) -> Tensor:
-    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    """Tokens per expert; ids of -1 (pairs another rank computes) are not counted."""
+    ids = topk_ids.flatten()
+    return torch.bincount(ids[ids >= 0], minlength=num_experts)
+
+
+def routed_order(topk_ids: Tensor) -> Tensor:
+    """The (token, slot) pairs sorted by expert, pairs of id -1 (expert parallel: elsewhere) left out."""
+    ids = topk_ids.flatten()
+    order = torch.argsort(ids, stable=True)
+    return order[int((ids < 0).sum()):]
 
 
 def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
@@ -29,7 +38,9 @@ def grouped_linear(x_sorted: Tensor, weight: Tensor, counts: Tensor, bias: Tenso
 
 
 def combine(out_sorted: Tensor, order: Tensor, topk_weights: Tensor) -> Tensor:
-    out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
+    shape = (topk_weights.numel(), out_sorted.shape[-1])
+    out = out_sorted.new_empty(shape) if len(order) == shape[0] else out_sorted.new_zeros(shape)
+    out = out.index_copy_(0, order, out_sorted)
     out = out.view(*topk_weights.shape, out_sorted.shape[-1]).float()
     return (out * topk_weights.float().unsqueeze(-1)).sum(dim=1)
 
@@ -38,7 +49,8 @@ def grouped_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, to
                     act, w13_bias: Tensor | None, w2_bias: Tensor | None) -> Tensor:
     """All experts in two grouped matmuls over the token copies sorted by expert (CUDA, and CPU unpacked)."""
     counts = expert_counts(topk_ids, w13.shape[0])
-    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    order = routed_order(topk_ids)
+    sorted_ids = topk_ids.flatten()[order]
     hidden = act(grouped_linear(x[order // topk_ids.shape[1]], w13, counts, w13_bias, sorted_ids))
     out_sorted = grouped_linear(hidden, w2, counts, w2_bias, sorted_ids)
     return combine(out_sorted, order, topk_weights)
@@ -57,7 +69,7 @@ def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tens
                    linear=F.linear) -> Tensor:
     """One MLP call per active expert over its contiguous slice of the token copies sorted by expert, then
     one router-weighted index_add_ of all rows into a float32 output."""
-    order = torch.argsort(topk_ids.flatten(), stable=True)
+    order = routed_order(topk_ids)
     token_ids = order // topk_ids.shape[1]
     x_sorted = x.index_select(0, token_ids)
     out_sorted = x.new_empty(x_sorted.shape[0], w2[0].shape[0])
