@@ -55,7 +55,8 @@ class MultiprocExecutor:
         except WorkerDiedError as error:
             logger.warning("shutting down after a rank died: %s", error)
         for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
+            proc.join(timeout=5)
+            if proc.is_alive():  # hung, or stopped: SIGKILL is the one signal a stopped process cannot hold
+                proc.kill()
+                proc.join(timeout=5)
         ps.destroy()

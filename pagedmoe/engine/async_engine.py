@@ -184,6 +184,8 @@ class AsyncLLMEngine:
             self._die(e)
         else:
             self._die(EngineDeadError("engine shut down"))
+        finally:
+            self.engine.shutdown()  # the other ranks of a multi-process engine stop with it
 
     def _drain_commands(self, block: bool):
         try:

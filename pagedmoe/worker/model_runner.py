@@ -54,6 +54,13 @@ class ModelRunner:
         self.config, self.device = config, torch.device(config.device)
         self.rank = rank or RankInfo(0, config.tensor_parallel_size)
         self.executor = self._start_ranks()
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()  # the other ranks stop too, and the process group is freed for the next engine
+            raise
+
+    def _build(self, config: EngineConfig):
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         self.threads = None

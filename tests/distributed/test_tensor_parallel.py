@@ -1,0 +1,90 @@
+"""Tensor and expert parallelism with 2 spawned ranks (gloo) on tiny random checkpoints: greedy tokens
+identical to one process and prompt logprobs within 1e-4, with chunked prefill and a pool small enough to
+force preemption (recompute, and swap for one model), the pool free afterwards; configurations that cannot be
+split are refused naming the field."""
+import pytest
+import transformers
+
+from conftest import VOCAB, assert_all_blocks_free, make_prompts, save_random_model, tiny_dense_config
+from pagedmoe import LLM, SamplingParams
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, eos_token_id=None, bos_token_id=0, pad_token_id=0)
+CONFIGS = {
+    "llama": lambda: tiny_dense_config("llama"),
+    "qwen3": lambda: tiny_dense_config("qwen3", num_key_value_heads=1),  # 1 KV head: replicated on both ranks
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=48,
+                                                     shared_expert_intermediate_size=80, num_experts=8,
+                                                     num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=128,
+                                                     moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                                     norm_topk_prob=True),
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON | {"num_hidden_layers": 3}, head_dim=32,
+                                                 intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                                 sliding_window=8),
+}
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"}
+NUM_NEW = 32
+# chunks of at most 24 tokens; 12 blocks of 16 for 8 sequences of up to 40 + 32 tokens: preemption is forced
+ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=24, num_kv_blocks=12)
+
+
+def generate(path: str, prompts, **engine_args):
+    llm = LLM(path, **ENGINE, **engine_args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_all_blocks_free(llm.engine)
+        preempted = llm.engine.get_stats()
+        assert preempted.num_preemptions_recompute + preempted.num_preemptions_swap > 0
+        return outputs
+    finally:
+        llm.engine.shutdown()
+
+
+def prompt_logprobs(output) -> list[float]:
+    return [output.prompt_logprobs[i][t].logprob for i, t in enumerate(output.prompt_token_ids) if i]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Each model's checkpoint and one process's outputs, made on first use."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = str(tmp_path_factory.mktemp(arch))
+            save_random_model(CONFIGS[arch](), path)
+            prompts = make_prompts(8, seed=3)
+            preemption = {"preemption_mode": "swap"} if arch == "llama" else {}
+            cache[arch] = path, prompts, preemption, generate(path, prompts, **preemption)
+        return cache[arch]
+    return get
+
+
+CASES = [(arch, False) for arch in CONFIGS] + [(arch, True) for arch in CONFIGS if arch in MOE]
+
+
+@pytest.mark.parametrize("arch, expert_parallel", CASES, ids=[f"{a}-{'ep2' if ep else 'tp2'}" for a, ep in CASES])
+def test_two_ranks_match_one_process(references, arch, expert_parallel):
+    path, prompts, preemption, expected = references(arch)
+    got = generate(path, prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **preemption)
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(prompt_logprobs(want), prompt_logprobs(out))) < 1e-4
+
+
+def test_unsplittable_configurations_are_refused(tmp_path):
+    path = str(tmp_path)
+    save_random_model(tiny_dense_config("llama"), path)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    ok = LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2)  # the group was freed
+    ok.engine.shutdown()
