@@ -48,6 +48,10 @@ class EngineConfig:
     quantization: str | None = None  # as vLLM's: the method the checkpoint must be in (mxfp4, modelopt_fp4, fp8)
     tensor_parallel_size: int = 1  # ranks, each a spawned process holding a shard (distributed/)
     enable_expert_parallel: bool = False  # MoE experts whole on each rank instead of split like the MLP
+    enable_eplb: bool = False  # expert parallel: rebalance experts over ranks by their measured load
+    num_redundant_experts: int = 0  # EPLB: extra expert slots, replicas of the busiest experts
+    eplb_window_size: int = 1000  # EPLB: steps of expert load the placement is computed from
+    eplb_step_interval: int = 3000  # EPLB: steps between rebalances
     data_parallel_size: int = 1
     master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
     master_port: int | None = None  # None: a free port
@@ -91,6 +95,13 @@ class EngineConfig:
                              f"got {self.data_parallel_size}")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet")
+        if self.enable_eplb and not (self.enable_expert_parallel and self.tensor_parallel_size > 1):
+            raise ValueError("enable_eplb needs enable_expert_parallel and tensor_parallel_size > 1")
+        if self.num_redundant_experts < 0 or self.num_redundant_experts and not self.enable_expert_parallel:
+            raise ValueError(f"num_redundant_experts must be >= 0 and needs enable_expert_parallel, "
+                             f"got {self.num_redundant_experts}")
+        if min(self.eplb_window_size, self.eplb_step_interval) < 1:
+            raise ValueError("eplb_window_size and eplb_step_interval must be >= 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 

@@ -7,6 +7,9 @@ import torch
 from torch import nn
 
 from pagedmoe.distributed import parallel_state as ps
+from pagedmoe.distributed.eplb import initial_placement
+from pagedmoe.distributed.eplb_state import EXPERT_WEIGHTS
+from pagedmoe.distributed.expert_map import ExpertMap
 from pagedmoe.layers.linear import Linear, MergedLinear
 
 Rank = ps.RankInfo
@@ -26,12 +29,15 @@ def check_shardable(model: nn.Module, info: Rank):
         raise ValueError(f"tensor_parallel_size {info.world_size} and num_key_value_heads {kv}: one must divide the other")
 
 
-def shard_model(model: nn.Module, info: Rank, expert_parallel: bool = False) -> nn.Module:
+def shard_model(model: nn.Module, info: Rank, expert_parallel: bool = False, num_redundant: int = 0) -> nn.Module:
     check_shardable(model, info)
     for layer in model.layers:
         shard_attention(layer.self_attn, info)
-        if hasattr(layer.mlp, "num_experts"):
-            (shard_experts if expert_parallel else shard_moe_intermediate)(layer.mlp, info)
+        if hasattr(layer.mlp, "num_experts") and expert_parallel:
+            placement = initial_placement(1, layer.mlp.num_experts, info.world_size, num_redundant)[0]
+            shard_experts(layer.mlp, info, placement)
+        elif hasattr(layer.mlp, "num_experts"):
+            shard_moe_intermediate(layer.mlp, info)
         else:
             shard_mlp(layer.mlp, info)
         for block in (layer.self_attn, layer.mlp):
@@ -114,15 +120,14 @@ def shard_moe_intermediate(moe: nn.Module, info: Rank):
     shard_shared_expert(moe, info)
 
 
-def shard_experts(moe: nn.Module, info: Rank):
-    """Expert-parallel: this rank's whole experts; tokens routed elsewhere are skipped here."""
-    if moe.num_experts % info.world_size:
-        raise ValueError(f"enable_expert_parallel: {info.world_size} ranks must divide {moe.num_experts} experts")
-    start, end = split_range(moe.num_experts, info)
-    for name in ("w13", "w2", "w13_bias", "w2_bias"):
+def shard_experts(moe: nn.Module, info: Rank, placement: torch.Tensor):
+    """Expert-parallel: this rank's slots of the placement ([ranks, slots] logical experts), whole experts;
+    pairs routed to other ranks are skipped here."""
+    moe.expert_map = ExpertMap(placement, info.rank)
+    local = torch.tensor(moe.expert_map.local_experts)
+    for name in EXPERT_WEIGHTS:
         if getattr(moe, name) is not None:
-            setattr(moe, name, nn.Parameter(getattr(moe, name).data[start:end].clone(), requires_grad=False))
-    moe.local_experts = (start, end)
+            setattr(moe, name, nn.Parameter(getattr(moe, name).data[local].clone(), requires_grad=False))
     shard_shared_expert(moe, info)
 
 

@@ -85,6 +85,21 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
+        self.eplb = self._eplb_state(config)
+
+    def _eplb_state(self, config: EngineConfig):
+        """The driver's EPLB window and schedule, where enable_eplb (distributed/eplb_state.py)."""
+        if not config.enable_eplb or not self.rank.is_driver or not self.expert_load_shape:
+            return None
+        from pagedmoe.distributed.eplb_state import EplbState
+        return EplbState(self.rank.world_size, config.num_redundant_experts, config.eplb_window_size,
+                         config.eplb_step_interval)
+
+    def _rebalance_experts(self):
+        from pagedmoe.distributed.eplb_state import current_placement
+        placement = self.eplb.next_placement(current_placement(self.model.moe_layers))
+        self.executor.broadcast(placement)
+        self.run_plan(placement)
 
     def _start_ranks(self):
         if not self.rank.is_driver or self.rank.world_size == 1:
@@ -150,12 +165,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.eplb is not None and self.eplb.is_due():
+            self._rebalance_experts()
         ends = [seq.num_computed_tokens + n for seq, n in zip(sched.seqs, sched.num_new_tokens)]
         prompt_rows = self._prompt_logprob_rows(sched, ends)
         plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])
         if self.executor is not None:
             self.executor.broadcast(plan)
         hidden, meta, all_logits = self.run_plan(plan)
+        if self.eplb is not None:
+            self.eplb.record(meta.expert_load)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
         logits = all_logits[0]
@@ -185,6 +204,9 @@ class ModelRunner:
         makes the same calls); block transfers, from the driver's apply_transfers, are applied instead."""
         if isinstance(plan, BlockTransfers):
             return self.kv_cache.apply(plan)
+        if not isinstance(plan, StepPlan):  # EPLB's new ExpertPlacement
+            from pagedmoe.distributed.eplb_state import apply_placement
+            return apply_placement(self.model.moe_layers, plan, self.rank.rank)
         if self.threads is not None:
             self.threads.update()
         input_ids, positions, meta = self._inputs(plan.token_lists, plan.starts, plan.block_tables)

@@ -88,3 +88,24 @@ def test_unsplittable_configurations_are_refused(tmp_path):
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     ok = LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2)  # the group was freed
     ok.engine.shutdown()
+
+
+def test_eplb_rebalancing_mid_run_keeps_the_tokens(references):
+    """EP=2 with 2 redundant experts, rebalanced every 4 steps from the last 8 steps' load: weights move
+    between ranks between steps, and the tokens stay those of one process."""
+    path, prompts, preemption, expected = references("qwen3_moe")
+    llm = LLM(path, **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+              num_redundant_experts=2, eplb_step_interval=4, eplb_window_size=8)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        history = llm.engine.runner.eplb.history
+        placement = [moe.expert_map.placement for moe in llm.engine.runner.model.moe_layers]
+    finally:
+        llm.engine.shutdown()
+    assert len(history) >= 3
+    assert any(p.tolist() != [[0, 1, 2, 3, 4], [5, 6, 7, 0, 1]] for p in placement)  # moved from the start
+    assert all(after <= before + 1e-9 for _, before, after in history)
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(prompt_logprobs(want), prompt_logprobs(out))) < 1e-4

@@ -42,11 +42,6 @@ def deinterleave_index(rows: int) -> Tensor:
     return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
 
 
-def local_expert_ids(topk_ids: Tensor, start: int, end: int) -> Tensor:
-    """Expert parallel: ids of this rank's experts from 0, -1 for pairs routed to other ranks (skipped)."""
-    return torch.where((topk_ids >= start) & (topk_ids < end), topk_ids - start, -1)
-
-
 def find_part(parts: dict, expert: int, names: tuple[str, ...]) -> PackedFp4Weight | None:
     return next((parts[(expert, n)] for n in names if (expert, n) in parts), None)
 
@@ -77,7 +72,7 @@ class FusedMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
 
     packed_experts: tuple[list[Tensor], list[Tensor]] | None = None
-    local_experts: tuple[int, int] | None = None  # expert parallel: this rank holds experts [start, end)
+    expert_map = None  # expert parallel: this rank's slots and the routing of pairs to them (distributed/)
     fp4_experts: tuple[list[PackedFp4Weight], list[PackedFp4Weight]] | None = None  # 4-bit, from the checkpoint
 
     def pack(self, min_bytes: int = 0):
@@ -133,8 +128,8 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
         if expert_load is not None:
             expert_load += expert_counts(topk_ids, self.num_experts)
-        if self.local_experts is not None:
-            topk_ids = local_expert_ids(topk_ids, *self.local_experts)
+        if self.expert_map is not None:
+            topk_ids = self.expert_map.local_ids(topk_ids)
         out = self.routed_output(x, topk_weights, topk_ids)
         return out if self.shared_experts is None else out + self.shared_output(x)
 
