@@ -1,7 +1,9 @@
 from pagedmoe.beam_search import BeamSearchParams
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
+from pagedmoe.inputs import TextPrompt, TokensPrompt
 from pagedmoe.llm import LLM
 from pagedmoe.outputs import CompletionOutput, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 
-__all__ = ["DEFAULT_MODEL", "LLM", "BeamSearchParams", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["DEFAULT_MODEL", "LLM", "BeamSearchParams", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "TextPrompt", "TokensPrompt"]

@@ -16,6 +16,8 @@ from pagedmoe.engine.kv_cache_hybrid import HybridKVCacheManager
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
+from pagedmoe.engine_args import engine_config
+from pagedmoe.inputs import PromptType
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
@@ -23,7 +25,6 @@ from pagedmoe.spec_decode.adaptive import decode_step_kind, make_switch
 from pagedmoe.spec_decode.proposer import SpecDecodeStats, can_speculate, make_proposer, max_draft_tokens
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
-PromptType = str | list[int] | dict
 logger = logging.getLogger(__name__)
 
 
@@ -80,11 +81,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(EngineConfig(model=model, **kwargs))
+        """EngineConfig's fields and vLLM's engine arguments (engine_args.py)."""
+        return cls(engine_config(model, **kwargs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
