@@ -3,7 +3,7 @@ from pagedmoe.entrypoints.cli import DEFAULT_MODEL
 from pagedmoe.inputs import TextPrompt, TokensPrompt
 from pagedmoe.llm import LLM
 from pagedmoe.outputs import CompletionOutput, RequestOutput
-from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["DEFAULT_MODEL", "LLM", "BeamSearchParams", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["DEFAULT_MODEL", "LLM", "BeamSearchParams", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "TextPrompt", "TokensPrompt"]

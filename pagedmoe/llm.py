@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import time
 
@@ -6,7 +7,7 @@ from tqdm import tqdm
 from pagedmoe.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedmoe.engine.llm_engine import LLMEngine, PromptType
 from pagedmoe.outputs import RequestOutput
-from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -30,7 +31,7 @@ class LLM:
         request_ids = []
         try:
             for prompt, p in zip(prompts, params):
-                request_ids.append(self._add(prompt, p))
+                request_ids.append(self._add(prompt, _final_only(p)))
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
@@ -73,6 +74,11 @@ class LLM:
                         bar.update(1)
                         bar.set_postfix_str(f"output {num_tokens / (time.perf_counter() - start):.1f} tok/s")
         return [finished[request_id] for request_id in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """As vLLM's LLM.generate: only each request's final output is wanted, whatever the params say."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_list(prompts) -> list:
