@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from pagedmoe.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedmoe.engine.llm_engine import LLMEngine, PromptType
+from pagedmoe.metrics import Metric, engine_metrics
 from pagedmoe.outputs import RequestOutput
 from pagedmoe.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,6 +57,13 @@ class LLM:
         return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + o.token_ids, o.cumulative_logprob,
                                                      o.text, o.finish_reason) for o in out.outputs])
                 for out in self._run(request_ids, use_tqdm)]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges as vLLM's metric objects, under vLLM's names (vllm:...)."""
+        return engine_metrics(self.engine.get_stats(), {"model_name": self.engine.config.model})
 
     def _add(self, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._request_ids))

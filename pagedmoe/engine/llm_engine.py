@@ -452,6 +452,10 @@ class LLMEngine:
                              request.prompt_logprobs, outputs, finished, request.metrics,
                              request.num_cached_tokens or 0, request.error)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached block not in use; True when no block was in use (the cache is empty)."""
+        return self.kv.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         pool, sched = self.kv.pool, self.scheduler
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_blocks,
