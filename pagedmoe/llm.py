@@ -7,7 +7,9 @@ from tqdm import tqdm
 from pagedmoe.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedmoe.engine.llm_engine import LLMEngine, PromptType
 from pagedmoe.metrics import Metric, engine_metrics
-from pagedmoe.outputs import RequestOutput
+from pagedmoe.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                              RequestOutput)
+from pagedmoe.pooling import pooled_embedding
 from pagedmoe.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -64,6 +66,24 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges as vLLM's metric objects, under vLLM's names (vllm:...)."""
         return engine_metrics(self.engine.get_stats(), {"model_name": self.engine.config.model})
+
+    def embed(self, prompts: PromptType | list[PromptType], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's default pooling of a decoder LM: each prompt's last final hidden state, L2-normalised."""
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                                       out.prompt_token_ids)
+                for out in self.encode(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)]
+
+    def encode(self, prompts: PromptType | list[PromptType], truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """As embed, with the embedding as a tensor (outputs.data). The engine's KV pool is not used."""
+        outputs = []
+        for prompt in tqdm(_as_list(prompts), desc="Pooling prompts", disable=not use_tqdm):
+            token_ids = self.engine.pooling_prompt(prompt, truncate_prompt_tokens)
+            outputs.append(PoolingRequestOutput(str(next(self._request_ids)),
+                                                PoolingOutput(pooled_embedding(self.engine.runner, token_ids)),
+                                                token_ids))
+        return outputs
 
     def _add(self, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._request_ids))

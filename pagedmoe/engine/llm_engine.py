@@ -111,6 +111,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request
 
+    def pooling_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None) -> list[int]:
+        """The token ids LLM.embed pools: tokenized and truncated as a generation request's prompt."""
+        token_ids = _truncated(self._tokenize(prompt)[1], truncate_prompt_tokens, self.config.max_model_len)
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len}); truncate_prompt_tokens can shorten it")
+        return token_ids
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
