@@ -17,8 +17,13 @@ class LLM:
     """vLLM's offline API: LLM(model=DIR, **engine_args).generate(prompts, sampling_params)."""
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
         self._request_ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """pagedmoe's older name of llm_engine."""
+        return self.llm_engine
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -42,23 +47,38 @@ class LLM:
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """As vLLM's: the template arguments go to the tokenizer's apply_chat_template. continue_final_message
+        leaves the last (assistant) message open for the model to continue, with no generation prompt."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: set add_generation_prompt=False with it (both True)")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template (skip_tokenizer_init=True)")
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template_args = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, tools=tools,
+                             **(chat_template_kwargs or {}))
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False, **template_args) for c in conversations]
         return self.generate([{"prompt": p, "prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids}
                               for p in prompts], sampling_params, use_tqdm)
 
     def beam_search(self, prompts: list[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's beam search: the beams of each prompt are forks of one sequence sharing KV blocks."""
+        """vLLM's beam search: the beams of each prompt are forks of one sequence sharing KV blocks. As vLLM's,
+        each sequence's tokens and text hold the prompt and the output."""
         request_ids = [self._add(prompt, params) for prompt in _as_list(prompts)]
         return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + o.token_ids, o.cumulative_logprob,
-                                                     o.text, o.finish_reason) for o in out.outputs])
+                                                     self._prompt_text(out) + o.text, o.finish_reason)
+                                  for o in out.outputs])
                 for out in self._run(request_ids, use_tqdm)]
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None or self.get_tokenizer() is None:
+            return out.prompt or ""
+        return self.get_tokenizer().decode(out.prompt_token_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
