@@ -7,6 +7,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pagedmoe.cpu_info import cpu_compute_dtype
 from pagedmoe.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
+GIB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -23,13 +24,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.2
-    swap_space: int = 1 << 28
+    swap_space: float = 0.25  # GiB of host memory for swapped-out and offloaded KV blocks, as vLLM's
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"  # or "static": reserve prompt + max_tokens contiguously at admission
     static_reserve_tokens: int | None = None  # static mode: output slots reserved (default: max_tokens)
     disable_hybrid_kv_cache_manager: bool = False  # as vLLM's: sliding-window layers keep every block too
-    kv_offload: bool = False  # evicted cached blocks go to the host pool (swap_space bytes), then to disk
+    kv_offload: bool = False  # evicted cached blocks go to the host pool (swap_space), then to disk
     kv_offload_disk_bytes: int = 0
     kv_offload_dir: str | None = None
     max_num_batched_tokens: int = 2048
@@ -57,6 +58,7 @@ class EngineConfig:
     master_port: int | None = None  # None: a free port
     distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    swap_space_bytes: int = field(init=False)
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -65,6 +67,7 @@ class EngineConfig:
             raise ValueError(f"model: no config.json in {self.model!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
         self.tokenizer = self.tokenizer or self.model
+        self.swap_space_bytes = _swap_space_bytes(self.swap_space)
         self._check_choices()
         self.speculative_config = parse_speculative_config(self.speculative_config)
         limit = self.hf_config.max_position_embeddings
@@ -114,3 +117,9 @@ class EngineConfig:
         if torch.device(self.device).type != "cpu":
             return dtype
         return cpu_compute_dtype(dtype)  # float32 for a 16-bit checkpoint where the CPU has no native bf16
+
+
+def _swap_space_bytes(gib) -> int:
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < float("inf"):
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {gib!r}")
+    return round(gib * GIB)

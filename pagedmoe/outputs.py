@@ -1,14 +1,8 @@
 from dataclasses import dataclass, field
 
+import torch
 
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-SampleLogprobs = list[dict[int, Logprob]]
+from pagedmoe.logprobs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401 (also importable from here)
 
 
 @dataclass
@@ -39,9 +33,37 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's LLM.embed result."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's LLM.encode result."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

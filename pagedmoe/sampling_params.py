@@ -137,6 +137,8 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0",
                self.prompt_logprobs)
         _check(all(s for s in self.stop_strings), "stop", "must not contain empty strings", self.stop)
+        _check(self.detokenize or not self.stop_strings, "stop", "needs detokenize=True (stop strings match text)",
+               self.stop)
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
                or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens", "must be >= 1 or -1",
                self.truncate_prompt_tokens)

@@ -81,5 +81,11 @@ class BlockPool:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the hash of every free block; True when no block is in use, so that none stays cached."""
+        for block_id in self.free_blocks:
+            self.uncache(block_id)
+        return self.num_used_blocks == 0
+
     def num_cached_free_blocks(self) -> int:
         return sum(1 for b in self.free_blocks if self.block_hashes[b] is not None)

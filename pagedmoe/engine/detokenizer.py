@@ -13,7 +13,7 @@ class Detokenizer:
         self.backend = tokenizer.backend_tokenizer if tokenizer is not None else None
 
     def append(self, seq: Sequence, token_id: int) -> str:
-        if self.backend is None:
+        if self.backend is None or not seq.params.detokenize:
             return ""
         if seq.decode_stream is None:
             context = seq.token_ids[max(seq.num_prompt_tokens - NUM_CONTEXT_TOKENS, 0):seq.num_prompt_tokens]

@@ -29,3 +29,10 @@ class DiskTier:
     def pin(self, block_hash: bytes):
         self.hashes.move_to_end(block_hash)
         self.pinned.add(block_hash)
+
+    def clear(self) -> list[bytes]:
+        """Forgets every hash not pinned; returns them (their files are to be deleted)."""
+        dropped = [h for h in self.hashes if h not in self.pinned]
+        for block_hash in dropped:
+            del self.hashes[block_hash]
+        return dropped

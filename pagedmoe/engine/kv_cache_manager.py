@@ -246,6 +246,13 @@ class KVCacheManager:
             self.host_pool.free(block_id)
         seq.host_block_table = []
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block not in use, in every tier; True when none was in use (the cache is empty)."""
+        device_empty, host_empty = self.pool.reset_prefix_cache(), self.host_pool.reset_prefix_cache()
+        if self.disk is not None:
+            self.transfers.delete.extend(self.disk.clear())
+        return device_empty and host_empty
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -14,9 +14,12 @@ from pagedmoe.engine.detokenizer import Detokenizer
 from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
 from pagedmoe.engine.kv_cache_hybrid import HybridKVCacheManager
 from pagedmoe.engine.kv_cache_manager import KVCacheManager
+from pagedmoe.engine.output_kind import as_output_kind, wants_output
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
 from pagedmoe.engine.token_params import bad_words_token_ids, check_token_params
+from pagedmoe.engine_args import engine_config
+from pagedmoe.inputs import PromptType
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
@@ -25,7 +28,6 @@ from pagedmoe.spec_decode.proposer import SpecDecodeStats, can_speculate, make_p
 from pagedmoe.structured_output.manager import StructuredOutputManager
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
-PromptType = str | list[int] | dict
 logger = logging.getLogger(__name__)
 
 
@@ -84,11 +86,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(EngineConfig(model=model, **kwargs))
+        """EngineConfig's fields and vLLM's engine arguments (engine_args.py)."""
+        return cls(engine_config(model, **kwargs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
@@ -105,6 +104,7 @@ class LLMEngine:
                                     logprobs=2 * beam.beam_width)
         self._check_params(params, beam)
         text, token_ids = self._tokenize(prompt)
+        token_ids = _truncated(token_ids, params.truncate_prompt_tokens, self.config.max_model_len)
         params = self._check_lengths(token_ids, params)
         request = Request(request_id, text, token_ids, params, arrival_time, cache_salt)
         request.beam = beam
@@ -116,6 +116,14 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request
+
+    def pooling_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None) -> list[int]:
+        """The token ids LLM.embed pools: tokenized and truncated as a generation request's prompt."""
+        token_ids = _truncated(self._tokenize(prompt)[1], truncate_prompt_tokens, self.config.max_model_len)
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len}); truncate_prompt_tokens can shorten it")
+        return token_ids
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -240,7 +248,7 @@ class LLMEngine:
         if len(parts) > 1 and len(failed) == len(parts):
             raise EngineStepError(f"every request of the step failed alone; first: {describe(error)}") from error
         self._fail(failed)
-        return outputs + [self._make_output(request, time.time()) for request, _ in failed.values()]
+        return outputs + self._outputs([request for request, _ in failed.values()], time.time())
 
     def _fail(self, failed: dict):
         """Finishes the failed requests with finish_reason "error"; their blocks are freed and those not
@@ -270,7 +278,7 @@ class LLMEngine:
             start = time.perf_counter()
             self._propose_drafts(touched)
             self._proposal_s = time.perf_counter() - start
-        return [self._make_output(request, now) for request in touched]
+        return self._outputs(touched, now)
 
     def _propose_drafts(self, requests: list[Request]):
         """Draft tokens for every running sequence whose next step is a decode, unless the batch is past
@@ -305,7 +313,7 @@ class LLMEngine:
             for pos in range(len(entries), start + len(token_ids)):
                 row = pos - start
                 entries.append(_logprob_dict(logprobs[row], int(token_ids[row]), seq.params.prompt_logprobs,
-                                             self.tokenizer))
+                                             self._detokenizing(seq)))
 
     def _append_samples(self, out: ModelRunnerOutput, now: float) -> list[Request]:
         """Each sequence's rows; an error in one request's part fails that request alone."""
@@ -416,8 +424,12 @@ class LLMEngine:
             ids, values = sampled.top_ids[row, :num_top].tolist(), sampled.top_logprobs[row, :num_top].tolist()
             for rank, (tid, value) in enumerate(zip(ids, values), start=1):
                 entry.setdefault(tid, Logprob(value, rank))
-        _decode_logprobs(entry, self.tokenizer)
+        _decode_logprobs(entry, self._detokenizing(seq))
         return entry
+
+    def _detokenizing(self, seq: Sequence):
+        """The tokenizer, or None where the request asked for token ids only (detokenize=False)."""
+        return self.tokenizer if seq.params.detokenize else None
 
     def _check_stop(self, seq: Sequence, token_id: int, new_text: str):
         params = seq.params
@@ -445,18 +457,27 @@ class LLMEngine:
                 return True
         return False
 
+    def _outputs(self, requests: list[Request], now: float) -> list[RequestOutput]:
+        return [as_output_kind(r, self._make_output(r, now)) for r in requests if wants_output(r)]
+
     def _make_output(self, request: Request, now: float) -> RequestOutput:
         finished = request.is_finished
         if finished:
             request.metrics.finished_time = now
             self.requests.pop(request.request_id, None)
             self.num_finished_requests += 1
-        outputs = [CompletionOutput(i, s.output_text, s.output_token_ids, s.cumulative_logprob,
-                                    s.logprobs, s.finish_reason, s.stop_reason)
+        with_logprobs = request.params.logprobs is not None  # as vLLM: no cumulative_logprob without them
+        outputs = [CompletionOutput(i, s.output_text, s.output_token_ids,
+                                    s.cumulative_logprob if with_logprobs else None, s.logprobs,
+                                    s.finish_reason, s.stop_reason)
                    for i, s in enumerate(_ranked_seqs(request, finished))]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished, request.metrics,
                              request.num_cached_tokens or 0, request.error)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached block not in use; True when no block was in use (the cache is empty)."""
+        return self.kv.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
         pool, sched = self.kv.pool, self.scheduler
@@ -506,6 +527,15 @@ def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:
 def _beam_candidates(seq: Sequence, sampled, row: int) -> list[BeamCandidate]:
     ids, values = sampled.top_ids[row].tolist(), sampled.top_logprobs[row].tolist()
     return [BeamCandidate(seq.cumulative_logprob + v, -1, t, v) for t, v in zip(ids, values)]
+
+
+def _truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """SamplingParams.truncate_prompt_tokens: the last `keep` prompt tokens (-1: max_model_len)."""
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({max_model_len})")
+    return token_ids[-(max_model_len if keep == -1 else keep):]
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -33,6 +33,7 @@ class Request:
         self.beam = None  # BeamSearchParams for a beam-search request
         self.finished_beams: list[Sequence] = []
         self.error: str | None = None  # why the request failed (its outputs end with finish_reason "error")
+        self.num_sent: dict[int, tuple[int, int, int]] = {}  # DELTA outputs: tokens, chars, logprobs sent per index
 
     @property
     def is_finished(self) -> bool:

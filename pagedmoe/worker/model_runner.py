@@ -145,7 +145,7 @@ class ModelRunner:
 
     def _own_num_blocks(self) -> tuple[int, int]:
         cfg = self.config
-        num_host = max(cfg.swap_space // self.block_bytes, 1)
+        num_host = max(cfg.swap_space_bytes // self.block_bytes, 1)
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks, num_host
         budget = cfg.kv_cache_memory or int(available_memory(self.device) * cfg.kv_cache_memory_fraction)

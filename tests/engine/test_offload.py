@@ -6,6 +6,7 @@ import pytest
 
 from conftest import VOCAB, assert_all_blocks_free
 from pagedmoe import LLM, SamplingParams
+from pagedmoe.config import GIB
 
 PREFIX = [(i * 5) % (VOCAB - 2) + 1 for i in range(64)]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -29,7 +30,7 @@ def test_evicted_prefix_served_from_lower_tier(dense_model, block_bytes, tier, t
     expected = reference.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     host_blocks = 64 if tier == "host" else 8
     llm = LLM(dense_model[0], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12, kv_offload=True,
-              swap_space=host_blocks * block_bytes, kv_offload_disk_bytes=64 * block_bytes,
+              swap_space=host_blocks * block_bytes / GIB, kv_offload_disk_bytes=64 * block_bytes,
               kv_offload_dir=str(tmp_path))
     first = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
     _evict_everything(llm)
