@@ -233,7 +233,8 @@ def _setup_vllm(args):
 # subcommands with their own parser: argv after the name goes to their main() untouched (argparse's
 # REMAINDER would reject their --options)
 PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory", "kernels": "pagedmoe.bench.cpu_kernels",
-               "quantization": "pagedmoe.bench.quantization", "structured": "pagedmoe.bench.structured"}
+               "quantization": "pagedmoe.bench.quantization", "structured": "pagedmoe.bench.structured",
+               "parallel": "pagedmoe.bench.parallel"}
 
 
 def _add_throughput(sub):
@@ -314,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("kernels", help="CPU tile kernels vs oneDNN / MKL, linears and MoE layer (own options)")
     sub.add_parser("quantization", help="float32, bf16, MXFP4 and NVFP4 forms of a model: memory, decode, prefill")
     sub.add_parser("structured", help="constrained decoding: json_schema vs unconstrained tok/s, compile time")
+    sub.add_parser("parallel", help="one process vs TP=2 and EP=2: tok/s, communication per step; EPLB balance")
     return parser
 
 

@@ -1,7 +1,10 @@
 """The process group every rank of one engine joins, and the collectives the sharded layers call. One group
 for now: tensor parallelism over all ranks (expert parallelism reuses it)."""
+import contextlib
 import datetime
 import os
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,18 @@ class RankInfo:
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
+
+
+COMM_SECONDS: dict[str, float] = defaultdict(float)  # this process's time in each kind of collective
+COMM_CALLS: dict[str, int] = defaultdict(int)
+
+
+@contextlib.contextmanager
+def timed(kind: str):
+    start = time.perf_counter()
+    yield
+    COMM_SECONDS[kind] += time.perf_counter() - start
+    COMM_CALLS[kind] += 1
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
@@ -37,25 +52,28 @@ def rank() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place (gloo reduces float32; bf16 partial sums are reduced in float32)."""
-    if x.dtype == torch.float32:
-        dist.all_reduce(x)
-        return x
-    full = x.float()
-    dist.all_reduce(full)
-    return x.copy_(full)
+    with timed("all_reduce"):
+        if x.dtype == torch.float32:
+            dist.all_reduce(x)
+            return x
+        full = x.float()
+        dist.all_reduce(full)
+        return x.copy_(full)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x joined along the last dimension, in rank order."""
     parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.contiguous())
+    with timed("all_gather"):
+        dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_object(obj=None):
     """Rank 0's obj on every rank (pickled; the step's plan is a few lists of ints)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with timed("broadcast"):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
