@@ -14,6 +14,7 @@ import torch
 
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.distributed import parallel_state as ps
+from pagedmoe.distributed.eplb import imbalance, initial_placement, rebalance
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
 from pagedmoe.llm import LLM
 from pagedmoe.sampling_params import SamplingParams
@@ -62,9 +63,26 @@ def bench_eplb(args) -> dict:
         figures, _ = run_steps(llm, prompts, params)
         history = [{"step": s, "current_placement": before, "new_placement": after}
                    for s, before, after in llm.engine.runner.eplb.history]
-        return {"run": figures, "rebalances": history}
+        return {"run": figures, "rebalances": history, "what_if": what_if(llm.engine.expert_load.double())}
     finally:
         llm.engine.shutdown()
+
+
+def what_if(load: torch.Tensor) -> list[dict]:
+    """The run's whole expert load [layers, E] placed on more ranks than this machine runs: contiguous
+    experts (no EPLB) against EPLB with one redundant slot per rank, max/mean rank load averaged over layers."""
+    rows = []
+    for ranks in (2, 4, 8):
+        if load.shape[1] % ranks == 0:
+            before = initial_placement(len(load), load.shape[1], ranks, 0)
+            after = rebalance(load, ranks, ranks)
+            rows.append({"ranks": ranks, "contiguous": mean_imbalance(before, load),
+                         "eplb_one_redundant_per_rank": mean_imbalance(after, load)})
+    return rows
+
+
+def mean_imbalance(placement: torch.Tensor, load: torch.Tensor) -> float:
+    return sum(imbalance(p, row) for p, row in zip(placement, load)) / len(load)
 
 
 def run(args) -> dict:
@@ -91,6 +109,9 @@ def format_lines(result: dict) -> list[str]:
     for h in result.get("eplb", {}).get("rebalances", []):
         lines.append(f"EPLB at step {h['step']}: max/mean rank load {h['current_placement']:.3f} (placement in use, "
                      f"on the last window) -> {h['new_placement']:.3f} (new placement, same window)")
+    for row in result.get("eplb", {}).get("what_if", []):
+        lines.append(f"whole run's load on {row['ranks']} ranks: max/mean {row['contiguous']:.3f} contiguous, "
+                     f"{row['eplb_one_redundant_per_rank']:.3f} with EPLB and {row['ranks']} redundant slots")
     return lines
 
 
