@@ -54,8 +54,10 @@ class EngineConfig:
     eplb_window_size: int = 1000  # EPLB: steps of expert load the placement is computed from
     eplb_step_interval: int = 3000  # EPLB: steps between rebalances
     data_parallel_size: int = 1
+    nnodes: int = 1  # machines the ranks run on (torchrun's names); node 0 holds rank 0, the engine
+    node_rank: int = 0  # this machine's index: nodes > 0 run their ranks headless (`pagedmoe serve --node-rank 1`)
     master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
-    master_port: int | None = None  # None: a free port
+    master_port: int | None = None  # None: a free port (one process group on one node only)
     distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
     hf_config: PretrainedConfig = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False)
@@ -105,8 +107,17 @@ class EngineConfig:
                              f"got {self.num_redundant_experts}")
         if min(self.eplb_window_size, self.eplb_step_interval) < 1:
             raise ValueError("eplb_window_size and eplb_step_interval must be >= 1")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size}) "
+                             f"and node_rank ({self.node_rank}) be in [0, nnodes)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("master_port: several nodes must be told where rank 0 listens")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def torch_dtype(self) -> torch.dtype:

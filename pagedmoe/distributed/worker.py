@@ -1,5 +1,5 @@
 """A non-driver rank: loads and shards its part of the model, then runs every step the driver broadcasts
-until the driver sends None."""
+until the driver sends None. `run_node` is a whole node > 0 of a several-node engine (headless)."""
 import logging
 
 from pagedmoe.distributed import parallel_state as ps
@@ -13,3 +13,13 @@ def run_worker(config, rank: int, world_size: int, port: int):
     while (plan := ps.broadcast_object()) is not None:
         runner.run_plan(plan)
     ps.destroy()
+
+
+def run_node(config):
+    """Node node_rank's ranks: the first in this process, the others spawned; returns when the driver ends."""
+    from pagedmoe.distributed.executor import spawn_ranks
+    first = config.node_rank * config.ranks_per_node
+    procs = spawn_ranks(config, range(first + 1, first + config.ranks_per_node), config.master_port)
+    run_worker(config, first, config.tensor_parallel_size, config.master_port)
+    for proc in procs:
+        proc.join()

@@ -51,6 +51,7 @@ class EngineStats:
     num_spilled_blocks: int  # host-tier blocks written to the disk tier
     expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts and accepted tokens
+    parallel: object | None = None  # with several ranks: distributed/stats.py's ParallelStats
 
     @property
     def kv_cache_usage(self) -> float:
@@ -488,7 +489,8 @@ class LLMEngine:
                            sum(self.kv.num_hit_tokens.values()), dict(self.kv.num_hit_tokens),
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist(),
-                           self.spec_decode_stats.copy() if self.proposer is not None else None)
+                           self.spec_decode_stats.copy() if self.proposer is not None else None,
+                           self.runner.parallel_stats(self.expert_load))
 
 
 def _advance_grammar(seq: Sequence, token_id: int):

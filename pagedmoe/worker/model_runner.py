@@ -86,6 +86,7 @@ class ModelRunner:
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
         self.eplb = self._eplb_state(config)
+        self.num_steps = 0
 
     def _eplb_state(self, config: EngineConfig):
         """The driver's EPLB window and schedule, where enable_eplb (distributed/eplb_state.py)."""
@@ -106,6 +107,14 @@ class ModelRunner:
             return None
         from pagedmoe.distributed.executor import MultiprocExecutor
         return MultiprocExecutor(self.config)
+
+    def parallel_stats(self, expert_load: torch.Tensor | None):
+        """distributed/stats.py's ParallelStats, or None in one process."""
+        if self.rank.world_size == 1:
+            return None
+        from pagedmoe.distributed.stats import parallel_stats
+        return parallel_stats(getattr(self.model, "moe_layers", []), expert_load, self.rank.world_size,
+                              self.num_steps)
 
     def shutdown(self):
         if self.executor is not None:
@@ -167,6 +176,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.eplb is not None and self.eplb.is_due():
             self._rebalance_experts()
+        self.num_steps += 1
         ends = [seq.num_computed_tokens + n for seq, n in zip(sched.seqs, sched.num_new_tokens)]
         prompt_rows = self._prompt_logprob_rows(sched, ends)
         plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])

@@ -31,6 +31,8 @@ def main(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagedmoe serve: --enable-auto-tool-choice needs --tool-call-parser")
     model = args.model or DEFAULT_MODEL
+    if args.node_rank > 0:  # a further node of a several-node engine: its ranks, no server
+        return run_headless(model, engine_kwargs(args))
     run_server(model, args.host, args.port, args.api_key,
                served_model_name=args.served_model_name or args.model or os.path.basename(DEFAULT_MODEL),
                max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_request_body_bytes,
@@ -42,3 +44,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="pagedmoe serve")
     add_serve_args(parser)
     main(parser.parse_args())
+
+
+def run_headless(model: str, engine_args: dict):
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.distributed.worker import run_node
+    run_node(EngineConfig(model=model, **engine_args))

@@ -41,7 +41,15 @@ def dashboard_stats(ctx: ServingContext) -> dict:
             "prefix_cache": {"queries": getattr(s, "prefix_cache_queries", 0),
                              "hits": getattr(s, "prefix_cache_hits", 0)},
             "ttft": ctx.metrics.percentiles("ttft"), "itl": ctx.metrics.percentiles("itl"),
-            "expert_load": snap.expert_load, "spec_decode": spec_decode_stats(s)}
+            "expert_load": snap.expert_load, "spec_decode": spec_decode_stats(s), "parallel": parallel_stats(s)}
+
+
+def parallel_stats(stats) -> dict | None:
+    parallel = getattr(stats, "parallel", None)
+    if parallel is None:
+        return None
+    return {"world_size": parallel.world_size, "steps": parallel.num_steps, "comm_seconds": parallel.comm_seconds,
+            "rank_expert_tokens": parallel.rank_expert_tokens, "expert_imbalance": parallel.expert_imbalance}
 
 
 def spec_decode_stats(stats) -> dict | None:

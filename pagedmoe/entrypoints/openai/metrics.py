@@ -37,6 +37,27 @@ class EngineCollector(Collector):
             yield self._expert_tokens(snap.expert_load)
         if getattr(stats, "spec_decode", None) is not None:
             yield from self._spec_decode(stats.spec_decode)
+        if getattr(stats, "parallel", None) is not None:
+            yield from self._parallel(stats.parallel)
+
+    def _parallel(self, parallel):
+        yield self._gauge("parallel_world_size", "Ranks of the engine (tensor / expert parallel).",
+                          parallel.world_size)
+        yield self._counter("parallel_steps", "Steps run by every rank.", parallel.num_steps)
+        yield self._labelled(CounterMetricFamily, "parallel_comm_seconds", "Rank 0's seconds in each collective.",
+                             "kind", parallel.comm_seconds.items())
+        if parallel.rank_expert_tokens:
+            yield self._labelled(CounterMetricFamily, "parallel_rank_expert_tokens",
+                                 "Routed expert tokens each rank computed.", "rank",
+                                 enumerate(parallel.rank_expert_tokens))
+            yield self._gauge("expert_load_imbalance", "Max / mean of the ranks' expert tokens (1: balanced).",
+                              parallel.expert_imbalance or 1.0)
+
+    def _labelled(self, kind, name: str, doc: str, label: str, values):
+        family = kind(f"pagedmoe:{name}", doc, labels=[*self.labels, label])
+        for key, value in values:
+            family.add_metric([*self.labels.values(), str(key)], value)
+        return family
 
     def _spec_decode(self, spec):
         yield self._counter("spec_decode_num_drafts", "Sequence-steps that verified draft tokens.", spec.num_drafts)

@@ -1,0 +1,37 @@
+"""A TP=2 expert-parallel server on the bundled MoE model: /metrics and /dashboard/stats report the ranks,
+rank 0's collective time, each rank's expert tokens and their imbalance, and the shut-down server stops its
+ranks."""
+import re
+
+import httpx
+
+from server_utils import HEADERS, MODEL, serve, wait_all_blocks_free
+from pagedmoe import DEFAULT_MODEL
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """The value of pagedmoe:NAME{...} for this model whose labels include `label` (e.g. 'rank="0"')."""
+    for labels, value in re.findall(rf"^pagedmoe:{name}{{(.*)}} (\S+)$", text, re.M):
+        if f'model_name="{MODEL}"' in labels and label in labels:
+            return float(value)
+    raise AssertionError(f"{name} {label} missing")
+
+
+def test_metrics_report_ranks_and_expert_balance():
+    with serve(DEFAULT_MODEL, tensor_parallel_size=2, enable_expert_parallel=True) as running:
+        client = running.openai()
+        out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=24, n=4, temperature=1.0)
+        assert len(out.choices) == 4
+        wait_all_blocks_free(running)
+        text = httpx.get(f"{running.url}/metrics", headers=HEADERS).text
+        assert metric(text, "parallel_world_size") == 2 and metric(text, "parallel_steps_total") >= 24
+        assert metric(text, "parallel_comm_seconds_total", 'kind="all_reduce"') > 0
+        tokens = [metric(text, "parallel_rank_expert_tokens_total", f'rank="{r}"') for r in (0, 1)]
+        routed = sum(float(v) for v in re.findall(r"^pagedmoe:expert_tokens_total{.*} (\S+)$", text, re.M))
+        forwarded = metric(text, "prompt_tokens_total") + metric(text, "generation_tokens_total") - 4
+        assert sum(tokens) == routed == forwarded * 2 * 4  # top-2 of each of 4 layers; last tokens never fed back
+        assert metric(text, "expert_load_imbalance") == max(tokens) / (sum(tokens) / 2)
+        stats = httpx.get(f"{running.url}/dashboard/stats", headers=HEADERS).json()["parallel"]
+        assert stats["world_size"] == 2 and stats["rank_expert_tokens"] == tokens
+        ranks = running.engine.runner.executor.procs
+    assert not any(proc.is_alive() for proc in ranks)
