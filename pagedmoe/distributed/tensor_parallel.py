@@ -19,12 +19,13 @@ def check_shardable(model: nn.Module, info: Rank):
     config = model.config
     if not hasattr(model, "layers") or not all(hasattr(layer, "self_attn") for layer in model.layers):
         raise ValueError(f"tensor_parallel_size: {type(model).__name__} has no tensor-parallel split yet")
-    if getattr(model, "qk_norm", None) == "full" or not hasattr(model.layers[0].self_attn, "qkv_proj"):
+    attn = model.layers[0].self_attn
+    if getattr(model, "qk_norm", None) == "full" or not (hasattr(attn, "qkv_proj") or hasattr(attn, "w_uk")):
         raise ValueError(f"tensor_parallel_size: {type(model).__name__}'s attention has no tensor-parallel split yet")
     if config.num_attention_heads % info.world_size:
         raise ValueError(f"tensor_parallel_size {info.world_size} must divide num_attention_heads "
                          f"({config.num_attention_heads})")
-    kv = config.num_key_value_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if kv % info.world_size and info.world_size % kv:
         raise ValueError(f"tensor_parallel_size {info.world_size} and num_key_value_heads {kv}: one must divide the other")
 
@@ -32,7 +33,7 @@ def check_shardable(model: nn.Module, info: Rank):
 def shard_model(model: nn.Module, info: Rank, expert_parallel: bool = False, num_redundant: int = 0) -> nn.Module:
     check_shardable(model, info)
     for layer in model.layers:
-        shard_attention(layer.self_attn, info)
+        (shard_mla if hasattr(layer.self_attn, "w_uk") else shard_attention)(layer.self_attn, info)
         if hasattr(layer.mlp, "num_experts") and expert_parallel:
             placement = initial_placement(1, layer.mlp.num_experts, info.world_size, num_redundant)[0]
             shard_experts(layer.mlp, info, placement)
@@ -72,6 +73,18 @@ def shard_attention(attn: nn.Module, info: Rank):
         attn.sinks = nn.Parameter(attn.sinks.data[q0:q1].clone(), requires_grad=False)
     attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
     attn.attn.num_heads, attn.attn.num_kv_heads = q1 - q0, k1 - k0
+
+
+def shard_mla(attn: nn.Module, info: Rank):
+    """MLA as vLLM splits it: query heads (q_proj or q_b_proj rows, W_UK, W_UV) and O's columns per rank; the
+    latent projections stay whole, so every rank keeps the whole latent cache (vLLM duplicates it too)."""
+    h0, h1 = split_range(attn.num_heads, info)
+    q_proj = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    keep_rows(q_proj, torch.arange(h0 * attn.qk_dim, h1 * attn.qk_dim))
+    attn.w_uk = nn.Parameter(attn.w_uk.data[h0:h1].clone(), requires_grad=False)
+    attn.w_uv = nn.Parameter(attn.w_uv.data[h0:h1].clone(), requires_grad=False)
+    keep_columns(attn.o_proj, slice(h0 * attn.v_dim, h1 * attn.v_dim), info)
+    attn.num_heads = attn.attn.num_heads = h1 - h0
 
 
 def keep_rows(linear: Linear, rows: torch.Tensor, shard_sizes: dict[str, int] | None = None):

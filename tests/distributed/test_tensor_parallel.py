@@ -1,4 +1,5 @@
-"""Tensor and expert parallelism with 2 spawned ranks (gloo) on tiny random checkpoints: greedy tokens
+"""Tensor and expert parallelism with 2 spawned ranks (gloo) on tiny random checkpoints (DeepSeek-V3's MLA split
+by query heads among them): greedy tokens
 identical to one process and prompt logprobs within 1e-4, with chunked prefill and a pool small enough to
 force preemption (recompute, and swap for one model), the pool free afterwards; configurations that cannot be
 split are refused naming the field."""
@@ -21,11 +22,16 @@ CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=128,
                                                      moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                                                      norm_topk_prob=True),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **COMMON | {"num_hidden_layers": 3, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        first_k_dense_replace=1, n_shared_experts=1, num_experts_per_tok=3, routed_scaling_factor=2.5, q_lora_rank=48,
+        n_group=4, topk_group=2, norm_topk_prob=True),
     "gpt_oss": lambda: transformers.GptOssConfig(**COMMON | {"num_hidden_layers": 3}, head_dim=32,
                                                  intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
                                                  sliding_window=8),
 }
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"}
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"}
 NUM_NEW = 32
 # chunks of at most 24 tokens; 12 blocks of 16 for 8 sequences of up to 40 + 32 tokens: preemption is forced
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=24, num_kv_blocks=12)
