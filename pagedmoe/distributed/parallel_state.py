@@ -21,7 +21,7 @@ class RankInfo:
         return self.rank == 0
 
 
-COMM_SECONDS: dict[str, float] = defaultdict(float)  # this process's time in each kind of collective
+COMM_SECONDS: dict[str, float] = defaultdict(float)  # this process's time in each collective, and "forward"
 COMM_CALLS: dict[str, int] = defaultdict(int)
 
 
@@ -75,6 +75,13 @@ def broadcast_object(obj=None):
     with timed("broadcast"):
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_to_driver(obj) -> list | None:
+    """Every rank's obj in rank order on rank 0 (None elsewhere)."""
+    gathered = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def destroy():

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.config import EngineConfig
-from pagedmoe.distributed.parallel_state import RankInfo, broadcast_object
+from pagedmoe.distributed.parallel_state import COMM_SECONDS, RankInfo, broadcast_object, gather_to_driver, timed
 from pagedmoe.engine.kv_cache_manager import BlockTransfers
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
@@ -112,9 +112,10 @@ class ModelRunner:
         """distributed/stats.py's ParallelStats, or None in one process."""
         if self.rank.world_size == 1:
             return None
-        from pagedmoe.distributed.stats import parallel_stats
+        from pagedmoe.distributed.stats import RankSeconds, parallel_stats
+        self.rank_seconds = getattr(self, "rank_seconds", None) or RankSeconds()
         return parallel_stats(getattr(self.model, "moe_layers", []), expert_load, self.rank.world_size,
-                              self.num_steps)
+                              self.num_steps, self.rank_seconds.get(self.executor))
 
     def shutdown(self):
         if self.executor is not None:
@@ -214,11 +215,21 @@ class ModelRunner:
         makes the same calls); block transfers, from the driver's apply_transfers, are applied instead."""
         if isinstance(plan, BlockTransfers):
             return self.kv_cache.apply(plan)
-        if not isinstance(plan, StepPlan):  # EPLB's new ExpertPlacement
-            from pagedmoe.distributed.eplb_state import apply_placement
-            return apply_placement(self.model.moe_layers, plan, self.rank.rank)
+        if not isinstance(plan, StepPlan):
+            return self._run_request(plan)
         if self.threads is not None:
             self.threads.update()
+        with timed("forward"):
+            return self._forward(plan)
+
+    def _run_request(self, request):
+        """EPLB's new ExpertPlacement, or the driver asking for every rank's seconds."""
+        from pagedmoe.distributed.eplb_state import ExpertPlacement, apply_placement
+        if isinstance(request, ExpertPlacement):
+            return apply_placement(self.model.moe_layers, request, self.rank.rank)
+        return gather_to_driver(dict(COMM_SECONDS))
+
+    def _forward(self, plan: StepPlan):
         input_ids, positions, meta = self._inputs(plan.token_lists, plan.starts, plan.block_tables)
         if plan.window_tables is not None:
             meta.window = self._inputs(plan.token_lists, plan.starts, plan.window_tables)[2]

@@ -5,16 +5,23 @@ import re
 
 import httpx
 
-from server_utils import HEADERS, MODEL, serve, wait_all_blocks_free
+from server_utils import HEADERS, MODEL, serve, wait_all_blocks_free, wait_until
 from pagedmoe import DEFAULT_MODEL
 
 
-def metric(text: str, name: str, label: str = "") -> float:
-    """The value of pagedmoe:NAME{...} for this model whose labels include `label` (e.g. 'rank="0"')."""
-    for labels, value in re.findall(rf"^pagedmoe:{name}{{(.*)}} (\S+)$", text, re.M):
-        if f'model_name="{MODEL}"' in labels and label in labels:
+def metric(text: str, name: str, *labels: str) -> float:
+    """The value of pagedmoe:NAME{...} for this model whose labels include each of `labels` ('rank="0"')."""
+    for found, value in re.findall(rf"^pagedmoe:{name}{{(.*)}} (\S+)$", text, re.M):
+        if all(label in found.split(",") for label in (f'model_name="{MODEL}"', *labels)):
             return float(value)
-    raise AssertionError(f"{name} {label} missing")
+    raise AssertionError(f"{name} {labels} missing")
+
+
+def forward_seconds(text: str, rank: int) -> float:
+    try:
+        return metric(text, "parallel_rank_seconds_total", f'rank="{rank}"', 'kind="forward"')
+    except AssertionError:
+        return 0.0
 
 
 def test_metrics_report_ranks_and_expert_balance():
@@ -31,7 +38,11 @@ def test_metrics_report_ranks_and_expert_balance():
         forwarded = metric(text, "prompt_tokens_total") + metric(text, "generation_tokens_total") - 4
         assert sum(tokens) == routed == forwarded * 2 * 4  # top-2 of each of 4 layers; last tokens never fed back
         assert metric(text, "expert_load_imbalance") == max(tokens) / (sum(tokens) / 2)
+        scrape = lambda: httpx.get(f"{running.url}/metrics", headers=HEADERS).text  # noqa: E731
+        # each rank's seconds are fetched at most once a second: wait for a fetch after the request
+        wait_until(lambda: all(forward_seconds(scrape(), r) > 0 for r in (0, 1)), 10, "a rank's forwards untimed")
         stats = httpx.get(f"{running.url}/dashboard/stats", headers=HEADERS).json()["parallel"]
         assert stats["world_size"] == 2 and stats["rank_expert_tokens"] == tokens
+        assert [r["forward"] > 0 for r in stats["rank_seconds"]] == [True, True]
         ranks = running.engine.runner.executor.procs
     assert not any(proc.is_alive() for proc in ranks)

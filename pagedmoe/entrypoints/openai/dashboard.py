@@ -49,7 +49,8 @@ def parallel_stats(stats) -> dict | None:
     if parallel is None:
         return None
     return {"world_size": parallel.world_size, "steps": parallel.num_steps, "comm_seconds": parallel.comm_seconds,
-            "rank_expert_tokens": parallel.rank_expert_tokens, "expert_imbalance": parallel.expert_imbalance}
+            "rank_expert_tokens": parallel.rank_expert_tokens, "expert_imbalance": parallel.expert_imbalance,
+            "rank_seconds": parallel.rank_seconds}
 
 
 def spec_decode_stats(stats) -> dict | None:

@@ -46,12 +46,21 @@ class EngineCollector(Collector):
         yield self._counter("parallel_steps", "Steps run by every rank.", parallel.num_steps)
         yield self._labelled(CounterMetricFamily, "parallel_comm_seconds", "Rank 0's seconds in each collective.",
                              "kind", parallel.comm_seconds.items())
+        yield self._rank_seconds(parallel.rank_seconds)
         if parallel.rank_expert_tokens:
             yield self._labelled(CounterMetricFamily, "parallel_rank_expert_tokens",
                                  "Routed expert tokens each rank computed.", "rank",
                                  enumerate(parallel.rank_expert_tokens))
             yield self._gauge("expert_load_imbalance", "Max / mean of the ranks' expert tokens (1: balanced).",
                               parallel.expert_imbalance or 1.0)
+
+    def _rank_seconds(self, rank_seconds: list[dict[str, float]]) -> CounterMetricFamily:
+        family = CounterMetricFamily("pagedmoe:parallel_rank_seconds", "Each rank's seconds in its forwards "
+                                     "(kind forward) and in each collective.", labels=[*self.labels, "rank", "kind"])
+        for rank, by_kind in enumerate(rank_seconds):
+            for kind, seconds in by_kind.items():
+                family.add_metric([*self.labels.values(), str(rank), kind], seconds)
+        return family
 
     def _labelled(self, kind, name: str, doc: str, label: str, values):
         family = kind(f"pagedmoe:{name}", doc, labels=[*self.labels, label])
