@@ -6,12 +6,12 @@ bundled default model's real routing (--eplb-requests Shakespeare-style generati
 --num-redundant-experts, rebalanced every --eplb-step-interval steps): each rebalance's max/mean rank load,
 measured on the window of load since the one before (out of sample) and on the window it was computed from."""
 import argparse
-import json
 import random
 import time
 
 import torch
 
+from pagedmoe.bench.report import write_json
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.distributed import parallel_state as ps
 from pagedmoe.distributed.eplb import imbalance, initial_placement, rebalance
@@ -135,7 +135,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print("\n".join(format_lines(result)))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.output_json)
     return 0

@@ -4,11 +4,11 @@ exactly as many tokens as its constrained twin (ignore_eos, max_tokens = that le
 times in one process; output tokens/s of each (best run), and the schema's compile time cold (xgrammar's
 tokenizer tables, then the first compile) and cached."""
 import argparse
-import json
 import time
 
 import torch
 
+from pagedmoe.bench.report import write_json
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
 from pagedmoe.llm import LLM
@@ -100,7 +100,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print("\n".join(format_lines(result)))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.output_json)
     return 0
