@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedmoe.cpu_info import cpu_compute_dtype
+from pagedmoe.kv_transfer.kv_events import parse_kv_events_config
 from pagedmoe.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 GIB = 1 << 30
@@ -59,6 +60,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
     master_port: int | None = None  # None: a free port (one process group on one node only)
     distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
+    kv_events_config: dict | str | None = None  # as vLLM's: {"enable_kv_cache_events": true, "endpoint": ...}
     hf_config: PretrainedConfig = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False)
 
@@ -72,6 +74,7 @@ class EngineConfig:
         self.swap_space_bytes = _swap_space_bytes(self.swap_space)
         self._check_choices()
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or limit, limit)
 

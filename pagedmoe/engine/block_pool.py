@@ -14,6 +14,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
+        self.on_cached: Callable[[bytes], None] | None = None  # KV events: a hash entered / left this pool
+        self.on_uncached: Callable[[bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,8 +52,7 @@ class BlockPool:
         if block_hash is not None:
             if self.on_evict is not None:
                 self.on_evict(block_id, block_hash)
-            del self.cached[block_hash]
-            self.block_hashes[block_id] = None
+            self.uncache(block_id)
             self.num_evictions += 1
 
     def incref(self, block_id: int):
@@ -73,6 +74,8 @@ class BlockPool:
         if block_hash not in self.cached and self.block_hashes[block_id] is None:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
+            if self.on_cached is not None:
+                self.on_cached(block_hash)
 
     def uncache(self, block_id: int):
         """Forgets a block's hash without offloading it: its KV was never written (its step failed)."""
@@ -80,6 +83,8 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
+            if self.on_uncached is not None:
+                self.on_uncached(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the hash of every free block; True when no block is in use, so that none stays cached."""

@@ -48,6 +48,17 @@ class KVCacheManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = dict.fromkeys(TIERS, 0)
         self.num_offloaded_blocks = self.num_spilled_blocks = 0
+        self.events = None  # KV events (kv_transfer/kv_events.py), once enable_events is called
+
+    def enable_events(self):
+        """Records BlockStored / BlockRemoved for each tier (GPU: this pool, CPU: the host tier, DISK)."""
+        from pagedmoe.kv_transfer.kv_events import DISK, HOST, MAIN, KVEventRecorder
+        self.events = KVEventRecorder(self.block_size, 4 * (self.pool.num_blocks + self.host_pool.num_blocks
+                                                             + (self.disk.num_blocks if self.disk else 0)))
+        for pool, medium in ((self.pool, MAIN), (self.host_pool, HOST)):
+            pool.on_cached = lambda h, m=medium: self.events.stored(h, m)
+            pool.on_uncached = lambda h, m=medium: self.events.removed(h, m)
+        self.disk_medium = DISK
 
     def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
         """The longest cached prefix of seq over all tiers; the last token is always left to compute."""
@@ -182,6 +193,14 @@ class KVCacheManager:
         if stored:
             self.transfers.spill.append((host_id, block_hash))
             self.num_spilled_blocks += 1
+        if self.events is not None:
+            self._disk_events([block_hash] if stored else [], evicted)
+
+    def _disk_events(self, stored: list[bytes], removed: list[bytes]):
+        for block_hash in removed:
+            self.events.removed(block_hash, self.disk_medium)
+        for block_hash in stored:
+            self.events.stored(block_hash, self.disk_medium)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int):
         num_full = num_tokens // self.block_size
@@ -189,6 +208,9 @@ class KVCacheManager:
             return
         update_block_hashes(seq, self.block_size)
         for index in range(seq.num_cached_blocks, num_full):
+            if self.events is not None:
+                self.events.describe(seq.block_hashes[index], seq.block_hashes[index - 1] if index else None,
+                                     seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
             self.pool.cache(seq.block_table[index], seq.block_hashes[index])
         seq.num_cached_blocks = num_full
 
@@ -250,7 +272,12 @@ class KVCacheManager:
         """Drops every cached block not in use, in every tier; True when none was in use (the cache is empty)."""
         device_empty, host_empty = self.pool.reset_prefix_cache(), self.host_pool.reset_prefix_cache()
         if self.disk is not None:
-            self.transfers.delete.extend(self.disk.clear())
+            dropped = self.disk.clear()
+            self.transfers.delete.extend(dropped)
+            if self.events is not None:
+                self._disk_events([], dropped)
+        if self.events is not None and device_empty and host_empty:
+            self.events.cleared()
         return device_empty and host_empty
 
     @property

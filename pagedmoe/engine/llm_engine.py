@@ -84,6 +84,22 @@ class LLMEngine:
         self.spec_switch = make_switch(config.speculative_config)
         self._proposal_s = 0.0  # time the last step spent drafting
         self.spec_decode_stats = SpecDecodeStats()
+        self.kv_events = self._kv_event_publisher()
+
+    def _kv_event_publisher(self):
+        """vLLM's --kv-events-config: the KV manager records block events, published after every step."""
+        config = self.config.kv_events_config
+        if config is None:
+            return None
+        self.kv.enable_events()
+        if config.publisher == "null":
+            return None
+        from pagedmoe.kv_transfer.zmq_publisher import ZmqEventPublisher
+        return ZmqEventPublisher(config)
+
+    def _publish_kv_events(self):
+        if self.kv_events is not None:
+            self.kv_events.publish(time.time(), self.kv.events.take())
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -211,8 +227,11 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def shutdown(self):
-        """Stops the other ranks of a multi-process engine (a no-op in one process)."""
+        """Stops the other ranks of a multi-process engine and the KV event publisher, if any."""
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -221,6 +240,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        outputs = self._run_step(sched)
+        self._publish_kv_events()  # the blocks this step wrote are stored now
+        return outputs
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         start, num_generated = time.perf_counter(), self.num_generation_tokens
         kind = decode_step_kind(sched) if self.spec_switch is not None else None
         self.runner.apply_transfers(sched)
@@ -478,7 +502,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forgets every cached block not in use; True when no block was in use (the cache is empty)."""
-        return self.kv.reset_prefix_cache()
+        empty = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return empty
 
     def get_stats(self) -> EngineStats:
         pool, sched = self.kv.pool, self.scheduler
