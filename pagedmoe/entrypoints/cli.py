@@ -60,6 +60,11 @@ def cmd_bench(args):
     bench_main(["-h"] if args.bench_help else args.bench_args)
 
 
+def cmd_router(args):
+    from pagedmoe.entrypoints.router import main as router_main
+    router_main(args)
+
+
 def cmd_quantize(args):
     from pagedmoe.layers.quantization.quantize import quantize_checkpoint
     stats = quantize_checkpoint(args.src, args.dst, args.format)
@@ -91,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("src", help="a float checkpoint directory (safetensors)")
     quantize.add_argument("dst", help="the directory to write")
     quantize.set_defaults(func=cmd_quantize)
+    from pagedmoe.entrypoints.routing_policies import add_router_args
+    router = sub.add_parser("router", help="one address in front of several replicas (round robin, cache-aware)")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
     bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.add_argument("-h", "--help", dest="bench_help", action="store_true")

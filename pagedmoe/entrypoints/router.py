@@ -1,0 +1,107 @@
+"""`pagedmoe router`: one OpenAI-compatible address in front of several pagedmoe (or vLLM) replicas, for tests
+and single-host use (fleets use vllm-router, which drives pagedmoe replicas unchanged). /v1/completions and
+/v1/chat/completions go to the replica the policy picks (routing_policies.py), streamed through as they
+come; a replica that cannot be reached answers 502 in OpenAI's error shape, never a hang."""
+import argparse
+import json
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedmoe.entrypoints.routing_policies import POLICIES
+
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+
+
+class Router:
+    def __init__(self, replicas: list[str], policy: str, timeout_s: float = 600.0):
+        self.replicas = [url.rstrip("/") for url in replicas]
+        self.policy = POLICIES[policy](len(self.replicas))
+        self.in_flight = [0] * len(self.replicas)
+        self.routed = [0] * len(self.replicas)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def pick(self, body: dict) -> int:
+        replica = self.policy.choose(request_text(body), self.in_flight)
+        self.routed[replica] += 1
+        return replica
+
+    async def forward(self, path: str, body: dict, headers: dict) -> Response:
+        replica = self.pick(body)
+        self.in_flight[replica] += 1
+        request = self.http.build_request("POST", self.replicas[replica] + path, json=body, headers=headers)
+        try:
+            upstream = await self.http.send(request, stream=True)
+        except httpx.HTTPError as error:
+            self.in_flight[replica] -= 1
+            return unreachable(self.replicas[replica], error)
+        return StreamingResponse(self.relay(upstream, replica), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type"))
+
+    async def relay(self, upstream: httpx.Response, replica: int):
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            self.in_flight[replica] -= 1
+            await upstream.aclose()
+
+
+def request_text(body: dict) -> str:
+    """What the policy matches: the prompt, or the chat messages' roles and contents in order."""
+    if "messages" in body:
+        return "".join(f"{m.get('role', '')}:{json.dumps(m.get('content'))}" for m in body["messages"]
+                       if isinstance(m, dict))
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def unreachable(url: str, error: Exception) -> JSONResponse:
+    message = f"replica {url} could not be reached: {type(error).__name__}: {error}"
+    return JSONResponse({"error": {"message": message, "type": "bad_gateway", "param": None, "code": "bad_gateway"}},
+                        status_code=502)
+
+
+def bad_json(error: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"request body is not a JSON object: {error}",
+                                   "type": "invalid_request_error", "param": None, "code": None}}, status_code=400)
+
+
+def build_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pagedmoe router")
+
+    async def routed(request: Request):
+        try:
+            body = await request.json()
+            assert isinstance(body, dict), "not an object"
+        except (ValueError, AssertionError) as error:
+            return bad_json(error)
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        return await router.forward(request.url.path, body, auth)
+
+    for path in ROUTED:
+        app.add_api_route(path, routed, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            upstream = await router.http.get(router.replicas[0] + "/v1/models", headers=auth)
+        except httpx.HTTPError as error:
+            return unreachable(router.replicas[0], error)
+        return Response(upstream.content, upstream.status_code, media_type="application/json")
+
+    @app.get("/router/stats")
+    async def stats():
+        return {"replicas": router.replicas, "in_flight": router.in_flight, "routed": router.routed}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+    return app
+
+
+def main(args: argparse.Namespace):
+    uvicorn.run(build_router_app(Router(args.replica, args.policy)), host=args.host, port=args.port)
