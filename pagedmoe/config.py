@@ -75,6 +75,7 @@ class EngineConfig:
         self._check_choices()
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        self._check_parallel()
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or limit, limit)
 
@@ -91,27 +92,28 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        self._check_parallel()
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
     def _check_parallel(self):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size must be 1 for now (data parallelism is not built yet), "
+        if self.data_parallel_size < 1 or self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"data_parallel_size must be >= 1, and 1 with tensor_parallel_size > 1 for now, "
                              f"got {self.data_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+        if self.world_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet")
-        if self.enable_eplb and not (self.enable_expert_parallel and self.tensor_parallel_size > 1):
+        if self.data_parallel_size > 1 and self.kv_events_config is not None:
+            raise ValueError("kv_events_config: not published with data_parallel_size > 1 yet")
+        if self.enable_eplb and not (self.enable_expert_parallel and self.world_size > 1):
             raise ValueError("enable_eplb needs enable_expert_parallel and tensor_parallel_size > 1")
         if self.num_redundant_experts < 0 or self.num_redundant_experts and not self.enable_expert_parallel:
             raise ValueError(f"num_redundant_experts must be >= 0 and needs enable_expert_parallel, "
                              f"got {self.num_redundant_experts}")
         if min(self.eplb_window_size, self.eplb_step_interval) < 1:
             raise ValueError("eplb_window_size and eplb_step_interval must be >= 1")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size}) "
+        if self.nnodes < 1 or self.world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide the ranks ({self.world_size}) "
                              f"and node_rank ({self.node_rank}) be in [0, nnodes)")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("master_port: several nodes must be told where rank 0 listens")
@@ -119,8 +121,13 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @property
+    def world_size(self) -> int:
+        """Ranks: tensor_parallel_size x data_parallel_size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     @property
     def torch_dtype(self) -> torch.dtype:

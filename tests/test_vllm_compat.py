@@ -54,7 +54,7 @@ def test_ignored_engine_args_log_one_line(caplog):
 
 @pytest.mark.parametrize("args, field", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-    (dict(data_parallel_size=2), "data_parallel_size"),
+    (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(swap_space=-1), "swap_space"),

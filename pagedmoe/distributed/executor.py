@@ -25,7 +25,7 @@ def spawn_ranks(config, ranks: range, port: int) -> list:
     """This node's ranks other than the one in this process, each a spawned process running worker.py."""
     from pagedmoe.distributed.worker import run_worker
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=run_worker, args=(config, rank, config.tensor_parallel_size, port), daemon=True,
+    procs = [context.Process(target=run_worker, args=(config, rank, config.world_size, port), daemon=True,
                              name=f"pagedmoe-rank{rank}") for rank in ranks]
     for proc in procs:
         proc.start()
@@ -36,7 +36,7 @@ class MultiprocExecutor:
     def __init__(self, config):
         port = config.master_port or free_port(config.master_addr)
         self.procs = spawn_ranks(config, range(1, config.ranks_per_node), port)
-        ps.init_process_group(0, config.tensor_parallel_size, config.master_addr, port, config.distributed_timeout_s)
+        ps.init_process_group(0, config.world_size, config.master_addr, port, config.distributed_timeout_s)
         self.is_shut_down = False
 
     def check_workers(self):

@@ -69,6 +69,14 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_list(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's x (all the same shape), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    with timed("all_gather"):
+        dist.all_gather(parts, x.contiguous())
+    return parts
+
+
 def broadcast_object(obj=None):
     """Rank 0's obj on every rank (pickled; the step's plan is a few lists of ints)."""
     box = [obj]

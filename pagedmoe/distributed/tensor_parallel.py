@@ -133,7 +133,7 @@ def shard_moe_intermediate(moe: nn.Module, info: Rank):
     shard_shared_expert(moe, info)
 
 
-def shard_experts(moe: nn.Module, info: Rank, placement: torch.Tensor):
+def shard_experts(moe: nn.Module, info: Rank, placement: torch.Tensor, shared: bool = True):
     """Expert-parallel: this rank's slots of the placement ([ranks, slots] logical experts), whole experts;
     pairs routed to other ranks are skipped here."""
     moe.expert_map = ExpertMap(placement, info.rank)
@@ -141,7 +141,8 @@ def shard_experts(moe: nn.Module, info: Rank, placement: torch.Tensor):
     for name in EXPERT_WEIGHTS:
         if getattr(moe, name) is not None:
             setattr(moe, name, nn.Parameter(getattr(moe, name).data[local].clone(), requires_grad=False))
-    shard_shared_expert(moe, info)
+    if shared:  # data-parallel attention keeps the shared expert whole: it runs on the rank's own tokens
+        shard_shared_expert(moe, info)
 
 
 def shard_shared_expert(moe: nn.Module, info: Rank):

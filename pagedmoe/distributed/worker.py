@@ -20,6 +20,6 @@ def run_node(config):
     from pagedmoe.distributed.executor import spawn_ranks
     first = config.node_rank * config.ranks_per_node
     procs = spawn_ranks(config, range(first + 1, first + config.ranks_per_node), config.master_port)
-    run_worker(config, first, config.tensor_parallel_size, config.master_port)
+    run_worker(config, first, config.world_size, config.master_port)
     for proc in procs:
         proc.join()

@@ -283,3 +283,8 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks one sequence can hold."""
+        return self.pool.num_blocks

@@ -196,9 +196,9 @@ class LLMEngine:
             params = _replace(params, max_tokens=max_len - len(token_ids))
         num_tokens = len(token_ids) + max(params.max_tokens, self._num_reserved_outputs(params))
         num_blocks = self.kv.num_blocks_for(min(num_tokens, max_len))
-        if num_blocks > self.kv.pool.num_blocks:
+        if num_blocks > self.kv.capacity_blocks:
             raise ValueError(f"prompt + max_tokens = {num_tokens} tokens need "
-                             f"{num_blocks} KV blocks; the pool has {self.kv.pool.num_blocks}")
+                             f"{num_blocks} KV blocks; the pool has {self.kv.capacity_blocks}")
         return params
 
     def _num_reserved_outputs(self, params: SamplingParams) -> int:
@@ -207,6 +207,14 @@ class LLMEngine:
         return self.config.static_reserve_tokens or params.max_tokens
 
     def _kv_cache_manager(self, static, lookahead: int) -> KVCacheManager:
+        """One manager, or under data-parallel attention one per rank over that rank's own blocks."""
+        if self.config.data_parallel_size == 1:
+            return self._one_kv_cache_manager(static, lookahead)
+        from pagedmoe.engine.kv_cache_dp import DataParallelKVManager
+        return DataParallelKVManager([self._one_kv_cache_manager(static, lookahead)
+                                      for _ in range(self.config.data_parallel_size)])
+
+    def _one_kv_cache_manager(self, static, lookahead: int) -> KVCacheManager:
         config, runner = self.config, self.runner
         args = (runner.num_blocks, runner.num_host_blocks, config.block_size, config.enable_prefix_caching,
                 config.kv_offload, runner.num_disk_blocks, static, lookahead)

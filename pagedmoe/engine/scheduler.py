@@ -70,11 +70,17 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
         while not self.kv.allocate_slots(seq, num_new):
-            victim = self.running.pop()
+            victim = self._newest_sharing_blocks_with(seq)
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _newest_sharing_blocks_with(self, seq: Sequence) -> Sequence:
+        """The newest running sequence whose blocks come from seq's pool (all of them, but under
+        data-parallel attention, where each rank has a pool of its own); seq itself at the last."""
+        index = max(i for i, s in enumerate(self.running) if s.dp_rank == seq.dp_rank)
+        return self.running.pop(index)
 
     def _preempt(self, seq: Sequence):
         seq.drop_drafts()

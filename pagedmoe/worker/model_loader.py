@@ -35,7 +35,11 @@ def prepare_model(config: EngineConfig, rank=None) -> torch.nn.Module:
         if keeps_fp4_packed(model, config) and read_quantization_config(config.model, config.hf_config):
             raise ValueError("tensor_parallel_size: 4-bit packed checkpoints are not split yet; "
                              "use quantization_mode='dequantize'")
-        model = shard_model(model, rank, config.enable_expert_parallel, config.num_redundant_experts)
+        if config.data_parallel_size > 1:
+            from pagedmoe.distributed.data_parallel import shard_model_dp
+            model = shard_model_dp(model, rank, config.enable_expert_parallel, config.num_redundant_experts)
+        else:
+            model = shard_model(model, rank, config.enable_expert_parallel, config.num_redundant_experts)
     return finish_model(model, config)
 
 

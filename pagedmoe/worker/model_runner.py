@@ -6,6 +6,7 @@ import torch
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.distributed.parallel_state import COMM_SECONDS, RankInfo, broadcast_object, gather_to_driver, timed
+from pagedmoe.engine.kv_cache_dp import PartitionedTransfers
 from pagedmoe.engine.kv_cache_manager import BlockTransfers
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.engine.sequence import Sequence
@@ -52,7 +53,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config, self.device = config, torch.device(config.device)
-        self.rank = rank or RankInfo(0, config.tensor_parallel_size)
+        self.rank = rank or RankInfo(0, config.world_size)
         self.executor = self._start_ranks()
         try:
             self._build(config)
@@ -75,8 +76,9 @@ class ModelRunner:
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
         disk_dir = (config.kv_offload_dir or tempfile.gettempdir()) if self.num_disk_blocks else None
+        num_dummy = int(config.data_parallel_size > 1)  # data-parallel attention: an idle rank's dummy token
         self.kv_cache = KVCacheStorage(self.num_kv_layers, self.num_kv_tensors, self.token_shape,
-                                       self.num_blocks, self.num_host_blocks, config.block_size,
+                                       self.num_blocks + num_dummy, self.num_host_blocks, config.block_size,
                                        config.torch_dtype, self.device, disk_dir)
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
@@ -167,9 +169,9 @@ class ModelRunner:
 
     def apply_transfers(self, sched: SchedulerOutput):
         """The step's block copies (swap, offload, copy-on-write, prefix loads), once, before its forward."""
-        if self.executor is not None and any(vars(sched.transfers).values()):
+        if self.executor is not None and has_transfers(sched.transfers):
             self.executor.broadcast(sched.transfers)
-        self.kv_cache.apply(sched.transfers)
+        self.kv_cache.apply(own_transfers(sched.transfers, self.rank.rank))
         if self.drafter is not None:
             self.drafter.apply(sched.transfers)
 
@@ -180,10 +182,8 @@ class ModelRunner:
         self.num_steps += 1
         ends = [seq.num_computed_tokens + n for seq, n in zip(sched.seqs, sched.num_new_tokens)]
         prompt_rows = self._prompt_logprob_rows(sched, ends)
-        plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])
-        if self.executor is not None:
-            self.executor.broadcast(plan)
-        hidden, meta, all_logits = self.run_plan(plan)
+        forward = self._forward_data_parallel if self.config.data_parallel_size > 1 else self._forward_step
+        hidden, meta, all_logits = forward(sched, ends, prompt_rows)
         if self.eplb is not None:
             self.eplb.record(meta.expert_load)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
@@ -197,6 +197,24 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(sched, prompt_rows, all_logits[1:])
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
                                  self._drafter_hidden(hidden, meta))
+
+    def _forward_step(self, sched: SchedulerOutput, ends: list[int], prompt_rows):
+        plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])
+        if self.executor is not None:
+            self.executor.broadcast(plan)
+        return self.run_plan(plan)
+
+    def _forward_data_parallel(self, sched: SchedulerOutput, ends: list[int], prompt_rows):
+        """Each rank runs its own sequences; the logits come back to rank 0 and are put in schedule order."""
+        from pagedmoe.distributed.data_parallel import DataParallelPlan, merge_logits, split_by_rank
+        parts = split_by_rank(sched, ends, self.config.data_parallel_size)
+        part_prompt_rows = [self._prompt_logprob_rows(part, part_ends) for part, part_ends in parts]
+        plans = [self._plan(part, part_ends, [self._sample_rows(part, part_ends)] + [r for _, r in rows])
+                 if part.seqs else None for (part, part_ends), rows in zip(parts, part_prompt_rows)]
+        self.executor.broadcast(DataParallelPlan(plans))
+        hidden, meta, by_rank = self.run_plan(DataParallelPlan(plans))
+        prompt_seqs = [[seq for seq, _ in rows] for rows in part_prompt_rows]
+        return hidden, meta, merge_logits(sched, ends, by_rank, prompt_seqs, prompt_rows)
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence], num_samples: list[int]) -> torch.Tensor:
         if not any(seq.params.logits_processors for seq in seqs):
@@ -213,8 +231,6 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan):
         """The step's forward and its compute_logits calls (the LM head may gather over ranks, so every rank
         makes the same calls); block transfers, from the driver's apply_transfers, are applied instead."""
-        if isinstance(plan, BlockTransfers):
-            return self.kv_cache.apply(plan)
         if not isinstance(plan, StepPlan):
             return self._run_request(plan)
         if self.threads is not None:
@@ -223,11 +239,26 @@ class ModelRunner:
             return self._forward(plan)
 
     def _run_request(self, request):
-        """EPLB's new ExpertPlacement, or the driver asking for every rank's seconds."""
+        """Block transfers, a data-parallel step, EPLB's new ExpertPlacement, or the driver asking for every
+        rank's seconds."""
+        from pagedmoe.distributed.data_parallel import DataParallelPlan
         from pagedmoe.distributed.eplb_state import ExpertPlacement, apply_placement
+        if isinstance(request, (BlockTransfers, PartitionedTransfers)):
+            return self.kv_cache.apply(own_transfers(request, self.rank.rank))
+        if isinstance(request, DataParallelPlan):
+            return self._run_own_part(request)
         if isinstance(request, ExpertPlacement):
             return apply_placement(self.model.moe_layers, request, self.rank.rank)
         return gather_to_driver(dict(COMM_SECONDS))
+
+    def _run_own_part(self, plan):
+        """This rank's sequences of a data-parallel step, or one dummy token in a block no sequence owns
+        (the MoE layers' collectives need every rank); every rank's logits gathered on rank 0."""
+        own = plan.plans[self.rank.rank]
+        dummy = StepPlan([[0]], [0], [[self.num_blocks]], [[self.num_blocks]] if self.layer_slots else None, [])
+        with timed("forward"):
+            hidden, meta, logits = self._forward(own or dummy)
+        return hidden, meta, gather_to_driver([t.cpu() for t in logits])
 
     def _forward(self, plan: StepPlan):
         input_ids, positions, meta = self._inputs(plan.token_lists, plan.starts, plan.block_tables)
@@ -365,3 +396,12 @@ def _sampling_rows(seqs: list[Sequence], num_samples: list[int]) -> list[tuple[S
 
 def _has_penalty(params) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def own_transfers(transfers, rank: int) -> BlockTransfers:
+    return transfers.by_rank[rank] if isinstance(transfers, PartitionedTransfers) else transfers
+
+
+def has_transfers(transfers) -> bool:
+    parts = transfers.by_rank if isinstance(transfers, PartitionedTransfers) else [transfers]
+    return any(any(vars(part).values()) for part in parts)

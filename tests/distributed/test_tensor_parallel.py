@@ -82,11 +82,33 @@ def test_two_ranks_match_one_process(references, arch, expert_parallel):
         assert max(abs(a - b) for a, b in zip(prompt_logprobs(want), prompt_logprobs(out))) < 1e-4
 
 
+DP_ARCHS = ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("arch", DP_ARCHS)
+def test_data_parallel_attention_matches_one_process(references, arch):
+    """DP=2 (+ EP for MoE): each rank attends its own sequences over its own pool of 12 blocks; MoE layers
+    gather both ranks' tokens. Tokens and prompt logprobs as one process; both ranks took sequences."""
+    path, prompts, _, expected = references(arch)
+    llm = LLM(path, **ENGINE, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_all_blocks_free(llm.engine)
+        assert all(n > 0 for n in llm.engine.kv.num_assigned) and llm.engine.kv.pool.num_blocks == 2 * 12
+        assert llm.engine.get_stats().num_preemptions_recompute > 0
+    finally:
+        llm.engine.shutdown()
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(prompt_logprobs(want), prompt_logprobs(out))) < 1e-4
+
+
 def test_unsplittable_configurations_are_refused(tmp_path):
     path = str(tmp_path)
     save_random_model(tiny_dense_config("llama"), path)
     with pytest.raises(ValueError, match="data_parallel_size"):
-        LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=2)
+        LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
         LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="speculative_config"):

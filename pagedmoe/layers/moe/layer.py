@@ -73,6 +73,7 @@ class FusedMoE(nn.Module):
 
     packed_experts: tuple[list[Tensor], list[Tensor]] | None = None
     expert_map = None  # expert parallel: this rank's slots and the routing of pairs to them (distributed/)
+    token_exchange = None  # data-parallel attention: every rank's tokens in, this rank's rows out
     fp4_experts: tuple[list[PackedFp4Weight], list[PackedFp4Weight]] | None = None  # 4-bit, from the checkpoint
 
     def pack(self, min_bytes: int = 0):
@@ -125,13 +126,18 @@ class FusedMoE(nn.Module):
         return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def forward(self, x: Tensor, expert_load: Tensor | None = None) -> Tensor:
+        own = x
+        if self.token_exchange is not None:
+            x = self.token_exchange.gather(x)
         topk_weights, topk_ids = select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
         if expert_load is not None:
             expert_load += expert_counts(topk_ids, self.num_experts)
         if self.expert_map is not None:
             topk_ids = self.expert_map.local_ids(topk_ids)
         out = self.routed_output(x, topk_weights, topk_ids)
-        return out if self.shared_experts is None else out + self.shared_output(x)
+        if self.token_exchange is not None:
+            out = self.token_exchange.combine(out)
+        return out if self.shared_experts is None else out + self.shared_output(own)
 
     def expert_shard(self, expert: int, proj: str) -> Tensor:
         if not 0 <= expert < self.num_experts:
