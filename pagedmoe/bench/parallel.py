@@ -20,7 +20,8 @@ from pagedmoe.llm import LLM
 from pagedmoe.sampling_params import SamplingParams
 
 CONFIGS = {"1 process": {}, "TP=2": {"tensor_parallel_size": 2},
-           "EP=2": {"tensor_parallel_size": 2, "enable_expert_parallel": True}}
+           "EP=2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+           "DP=2+EP": {"data_parallel_size": 2, "enable_expert_parallel": True}}
 SPEAKERS = ["ROMEO", "JULIET", "KING LEAR", "HAMLET", "PORTIA", "OTHELLO", "MACBETH", "PUCK", "FALSTAFF", "VIOLA"]
 
 
