@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pagedmoe.bench.report import write_json
+from pagedmoe.bench.report import print_and_save
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.distributed import parallel_state as ps
 from pagedmoe.distributed.eplb import imbalance, initial_placement, rebalance
@@ -134,7 +134,4 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    print("\n".join(format_lines(result)))
-    write_json(result, args.output_json)
-    return 0
+    return print_and_save(run(args), format_lines, args.output_json)

@@ -15,6 +15,13 @@ def env() -> dict:
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def print_and_save(result: dict, format_lines, path: str | None) -> int:
+    """A bench subcommand's ending: its table printed, its figures in --output-json; exit status 0."""
+    print("\n".join(format_lines(result)))
+    write_json(result, path)
+    return 0
+
+
 def write_json(results: dict, path: str | None):
     if path:
         with open(path, "w") as f:

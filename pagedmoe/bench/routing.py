@@ -7,23 +7,18 @@ asks of each replica and round robin asks twice over. Per policy: prefix-cache h
 counters), TTFT p50 / p99 and output tok/s."""
 import argparse
 import asyncio
-import contextlib
 import random
 import re
-import socket
-import threading
-import time
 
 import httpx
-import uvicorn
 
-from pagedmoe.bench.report import write_json
+from pagedmoe.bench.report import print_and_save
 from pagedmoe.bench.serve import sweep
 from pagedmoe.bench.server import subprocess_server
 from pagedmoe.bench.workload import BenchRequest
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
-from pagedmoe.entrypoints.router import Router, build_router_app
+from pagedmoe.entrypoints.router import Router, router_in_thread
 
 
 def shared_prefix_workload(args, vocab: int, seed: int) -> list[BenchRequest]:
@@ -32,23 +27,6 @@ def shared_prefix_workload(args, vocab: int, seed: int) -> list[BenchRequest]:
     return [BenchRequest(prefixes[rng.randrange(args.num_prefixes)] + [rng.randrange(2, vocab)
                                                                        for _ in range(args.suffix_len)],
                          args.output_len) for _ in range(args.num_requests)]
-
-
-@contextlib.contextmanager
-def router_server(replicas: list[str], policy: str):
-    router = Router(replicas, policy)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", router
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
@@ -60,7 +38,8 @@ def prefix_counters(url: str) -> tuple[float, float]:
 
 def bench_policy(policy: str, replicas: list[str], workload: list[BenchRequest], args) -> dict:
     before = [prefix_counters(url) for url in replicas]
-    with router_server(replicas, policy) as (url, router):
+    router = Router(replicas, policy)
+    with router_in_thread(router) as url:
         swept = asyncio.run(sweep(url, None, [workload], [args.request_rate], 0, None, None, 1800, 600))
         routed = list(router.routed)
     after = [prefix_counters(url) for url in replicas]
@@ -110,7 +89,4 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    print("\n".join(format_lines(result)))
-    write_json(result, args.output_json)
-    return 0
+    return print_and_save(run(args), format_lines, args.output_json)

@@ -12,14 +12,14 @@ from pagedmoe.beam_search import BeamCandidate, BeamSearchParams, beam_score, se
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.detokenizer import Detokenizer
 from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
-from pagedmoe.engine.kv_cache_hybrid import HybridKVCacheManager
-from pagedmoe.engine.kv_cache_manager import KVCacheManager
+from pagedmoe.engine.kv_cache_factory import make_kv_cache_manager
 from pagedmoe.engine.output_kind import as_output_kind, wants_output
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
 from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
 from pagedmoe.engine.token_params import bad_words_token_ids, check_token_params
 from pagedmoe.engine_args import engine_config
 from pagedmoe.inputs import PromptType
+from pagedmoe.kv_transfer.zmq_publisher import make_publisher
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
@@ -69,7 +69,7 @@ class LLMEngine:
         static = self._static_reserve if config.kv_allocation == "static" else None
         spec = config.speculative_config
         lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
-        self.kv = self._kv_cache_manager(static, lookahead)
+        self.kv = make_kv_cache_manager(config, self.runner, static, lookahead)
         self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
         self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
@@ -84,18 +84,7 @@ class LLMEngine:
         self.spec_switch = make_switch(config.speculative_config)
         self._proposal_s = 0.0  # time the last step spent drafting
         self.spec_decode_stats = SpecDecodeStats()
-        self.kv_events = self._kv_event_publisher()
-
-    def _kv_event_publisher(self):
-        """vLLM's --kv-events-config: the KV manager records block events, published after every step."""
-        config = self.config.kv_events_config
-        if config is None:
-            return None
-        self.kv.enable_events()
-        if config.publisher == "null":
-            return None
-        from pagedmoe.kv_transfer.zmq_publisher import ZmqEventPublisher
-        return ZmqEventPublisher(config)
+        self.kv_events = make_publisher(config.kv_events_config, self.kv)
 
     def _publish_kv_events(self):
         if self.kv_events is not None:
@@ -205,23 +194,6 @@ class LLMEngine:
         if self.config.kv_allocation != "static":
             return 0
         return self.config.static_reserve_tokens or params.max_tokens
-
-    def _kv_cache_manager(self, static, lookahead: int) -> KVCacheManager:
-        """One manager, or under data-parallel attention one per rank over that rank's own blocks."""
-        if self.config.data_parallel_size == 1:
-            return self._one_kv_cache_manager(static, lookahead)
-        from pagedmoe.engine.kv_cache_dp import DataParallelKVManager
-        return DataParallelKVManager([self._one_kv_cache_manager(static, lookahead)
-                                      for _ in range(self.config.data_parallel_size)])
-
-    def _one_kv_cache_manager(self, static, lookahead: int) -> KVCacheManager:
-        config, runner = self.config, self.runner
-        args = (runner.num_blocks, runner.num_host_blocks, config.block_size, config.enable_prefix_caching,
-                config.kv_offload, runner.num_disk_blocks, static, lookahead)
-        if runner.sliding_window is None:
-            return KVCacheManager(*args)
-        return HybridKVCacheManager(*args, sliding_window=runner.sliding_window,
-                                    max_step_tokens=config.max_num_batched_tokens)
 
     def _static_reserve(self, seq: Sequence) -> int:
         reserved = seq.num_prompt_tokens + self._num_reserved_outputs(seq.params)

@@ -72,6 +72,13 @@ def cmd_quantize(args):
           f"{stats['bytes_before'] / 2**20:.1f} MiB -> {stats['bytes_after'] / 2**20:.1f} MiB")
 
 
+def _add_router_parser(sub):
+    from pagedmoe.entrypoints.routing_policies import add_router_args
+    router = sub.add_parser("router", help="one address in front of several replicas (round robin, cache-aware)")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmoe", description="MoE + PagedAttention inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,10 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("src", help="a float checkpoint directory (safetensors)")
     quantize.add_argument("dst", help="the directory to write")
     quantize.set_defaults(func=cmd_quantize)
-    from pagedmoe.entrypoints.routing_policies import add_router_args
-    router = sub.add_parser("router", help="one address in front of several replicas (round robin, cache-aware)")
-    add_router_args(router)
-    router.set_defaults(func=cmd_router)
+    _add_router_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (pagedmoe bench -h)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.add_argument("-h", "--help", dest="bench_help", action="store_true")

@@ -3,7 +3,11 @@ and single-host use (fleets use vllm-router, which drives pagedmoe replicas unch
 /v1/chat/completions go to the replica the policy picks (routing_policies.py), streamed through as they
 come; a replica that cannot be reached answers 502 in OpenAI's error shape, never a hang."""
 import argparse
+import contextlib
 import json
+import socket
+import threading
+import time
 
 import httpx
 import uvicorn
@@ -64,9 +68,21 @@ def unreachable(url: str, error: Exception) -> JSONResponse:
                         status_code=502)
 
 
+async def first_replica_models(router: Router, auth: dict) -> Response:
+    try:
+        upstream = await router.http.get(router.replicas[0] + "/v1/models", headers=auth)
+    except httpx.HTTPError as error:
+        return unreachable(router.replicas[0], error)
+    return Response(upstream.content, upstream.status_code, media_type="application/json")
+
+
 def bad_json(error: Exception) -> JSONResponse:
     return JSONResponse({"error": {"message": f"request body is not a JSON object: {error}",
                                    "type": "invalid_request_error", "param": None, "code": None}}, status_code=400)
+
+
+def auth_header(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
 
 
 def build_router_app(router: Router) -> FastAPI:
@@ -78,20 +94,14 @@ def build_router_app(router: Router) -> FastAPI:
             assert isinstance(body, dict), "not an object"
         except (ValueError, AssertionError) as error:
             return bad_json(error)
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        return await router.forward(request.url.path, body, auth)
+        return await router.forward(request.url.path, body, auth_header(request))
 
     for path in ROUTED:
         app.add_api_route(path, routed, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request):
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        try:
-            upstream = await router.http.get(router.replicas[0] + "/v1/models", headers=auth)
-        except httpx.HTTPError as error:
-            return unreachable(router.replicas[0], error)
-        return Response(upstream.content, upstream.status_code, media_type="application/json")
+        return await first_replica_models(router, auth_header(request))
 
     @app.get("/router/stats")
     async def stats():
@@ -101,6 +111,25 @@ def build_router_app(router: Router) -> FastAPI:
     async def health():
         return Response(status_code=200)
     return app
+
+
+@contextlib.contextmanager
+def router_in_thread(router: Router):
+    """The router app under uvicorn in a background thread on a free localhost port (tests, benches)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def main(args: argparse.Namespace):

@@ -75,3 +75,12 @@ class ZmqEventPublisher:
                 if int.from_bytes(seq, "big", signed=True) >= first:
                     replay.send_multipart([identity, b"", seq, payload])
             replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
+
+
+def make_publisher(config: KVEventsConfig | None, kv) -> "ZmqEventPublisher | None":
+    """vLLM's --kv-events-config: the KV manager records block events; the engine publishes them after every
+    step ("null": recorded, not sent)."""
+    if config is None:
+        return None
+    kv.enable_events()
+    return ZmqEventPublisher(config) if config.publisher == "zmq" else None

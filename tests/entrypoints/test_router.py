@@ -4,32 +4,21 @@ and falls back to the least-loaded replica when loads are out of balance; stream
 unreachable replica answers 502 in OpenAI's error shape. Policies are also tested on their own."""
 import contextlib
 import socket
-import threading
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from server_utils import API_KEY, MODEL, serve, wait_all_blocks_free, wait_until
-from pagedmoe.entrypoints.router import Router, build_router_app
+from server_utils import API_KEY, MODEL, serve, wait_all_blocks_free
+from pagedmoe.entrypoints.router import Router, router_in_thread
 from pagedmoe.entrypoints.routing_policies import CHUNK_CHARS, CacheAware, RoundRobin
 
 
 @contextlib.contextmanager
 def running_router(replicas: list[str], policy: str):
     router = Router(replicas, policy)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, 30, "router did not start")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", router
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with router_in_thread(router) as url:
+        yield url, router
 
 
 @pytest.fixture(scope="module")
