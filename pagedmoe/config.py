@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedmoe.cpu_info import cpu_compute_dtype
+from pagedmoe.kv_transfer.connector import parse_kv_transfer_config
 from pagedmoe.kv_transfer.kv_events import parse_kv_events_config
 from pagedmoe.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -60,6 +61,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
     master_port: int | None = None  # None: a free port (one process group on one node only)
     distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
+    kv_transfer_config: dict | str | None = None  # as vLLM's: {"kv_connector": ..., "kv_role": ..., ...}
     kv_events_config: dict | str | None = None  # as vLLM's: {"enable_kv_cache_events": true, "endpoint": ...}
     hf_config: PretrainedConfig = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False)
@@ -75,6 +77,7 @@ class EngineConfig:
         self._check_choices()
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
         self._check_parallel()
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or limit, limit)
@@ -103,6 +106,8 @@ class EngineConfig:
                              f"got {self.data_parallel_size}")
         if self.world_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet")
+        if self.world_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config: KV connectors run with one rank for now")
         if self.data_parallel_size > 1 and self.kv_events_config is not None:
             raise ValueError("kv_events_config: not published with data_parallel_size > 1 yet")
         if self.enable_eplb and not (self.enable_expert_parallel and self.world_size > 1):

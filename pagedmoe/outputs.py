@@ -39,6 +39,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    kv_transfer_params: dict | None = None  # a prefill instance's hand-off for the decode instance (vLLM's)
 
 
 @dataclass

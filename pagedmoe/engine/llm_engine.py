@@ -19,6 +19,7 @@ from pagedmoe.engine.sequence import Request, Sequence, SequenceStatus
 from pagedmoe.engine.token_params import bad_words_token_ids, check_token_params
 from pagedmoe.engine_args import engine_config
 from pagedmoe.inputs import PromptType
+from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.kv_transfer.zmq_publisher import make_publisher
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
@@ -71,7 +72,8 @@ class LLMEngine:
         lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
         self.kv = make_kv_cache_manager(config, self.runner, static, lookahead)
         self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
-        self.scheduler = Scheduler(config, self.kv)
+        self.connector = make_connector(config.kv_transfer_config)  # the scheduler side of P/D's KV hand-off
+        self.scheduler = Scheduler(config, self.kv, self.connector)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
                                                          self.eos_token_ids)
@@ -420,7 +422,18 @@ class LLMEngine:
         if seq.grammar is not None:
             _advance_grammar(seq, token_id)
         if seq.finish_reason is not None:
+            self._hand_off_kv(seq)
             self.scheduler.finish(seq)
+
+    def _hand_off_kv(self, seq: Sequence):
+        """A prefill instance's finished do_remote_decode request: its prompt KV saved (before the blocks are
+        freed) and the kv_transfer_params the decode instance is given."""
+        if self.connector is None or seq.finish_reason in ("abort", "error"):
+            return
+        params, save = self.connector.request_finished(seq)
+        if save is not None:
+            self.runner.save_kv(save)
+            seq.request.kv_transfer_params_out = params
 
     def _sample_logprobs(self, seq: Sequence, token_id: int, sampled, row: int) -> dict[int, Logprob]:
         entry = {token_id: Logprob(float(sampled.logprobs[row]), int(sampled.ranks[row]))}
@@ -478,7 +491,7 @@ class LLMEngine:
                    for i, s in enumerate(_ranked_seqs(request, finished))]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished, request.metrics,
-                             request.num_cached_tokens or 0, request.error)
+                             request.num_cached_tokens or 0, request.error, request.kv_transfer_params_out)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forgets every cached block not in use; True when no block was in use (the cache is empty)."""

@@ -11,6 +11,7 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     transfers: BlockTransfers
+    connector_meta: object | None = None  # KV connector loads the worker runs before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -26,8 +27,8 @@ class Scheduler:
     (preempting the newest when blocks run out), then swapped-out ones, then new admissions;
     a long prompt is chunked across steps and batched with decodes."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
-        self.config, self.kv = config, kv
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector=None):
+        self.config, self.kv, self.connector = config, kv, connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -49,6 +50,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         out.transfers = self.kv.take_transfers()
+        out.connector_meta = self.connector.build_connector_meta() if self.connector is not None else None
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -111,6 +113,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._wants_remote_kv(seq):
+                if not self._admit_with_remote_kv(seq):
+                    break
+                budget = self._start_running(self.waiting.popleft(), 1, out, budget)
+                continue
             cached = self.kv.find_cached_prefix(seq) if not seq.block_table else []
             num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
@@ -123,6 +130,23 @@ class Scheduler:
                 self.kv.record_prefix_lookup(len(seq), cached)
             budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
         return budget
+
+    def _wants_remote_kv(self, seq: Sequence) -> bool:
+        return (self.connector is not None and not seq.block_table and seq.num_output_tokens == 0
+                and self.connector.wants_remote_prefill(seq.request.kv_transfer_params)
+                and self.connector.get_num_new_matched_tokens(seq) > 0)
+
+    def _admit_with_remote_kv(self, seq: Sequence) -> bool:
+        """Blocks for the whole prompt, the KV of all but its last token loaded into them (the connector
+        queues the load for this step's worker): the step computes one token."""
+        num_external = self.connector.get_num_new_matched_tokens(seq)
+        if not self.kv.allocate_slots(seq, len(seq)):
+            return False
+        seq.num_computed_tokens = num_external
+        seq.request.num_cached_tokens = num_external
+        seq.request.kv_transfer_params = None  # one hand-off per request: a recompute after preemption is local
+        self.connector.update_state_after_alloc(seq, num_external)
+        return True
 
     def _start_running(self, seq: Sequence, num_new: int, out: SchedulerOutput, budget: int) -> int:
         seq.status = SequenceStatus.RUNNING

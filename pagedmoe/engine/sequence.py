@@ -27,6 +27,9 @@ class Request:
         self.generators = _make_generators(params)
         self.eos_token_ids: set[int] = set()
         self.bad_words_token_ids: list[list[int]] = []
+        extra = params.extra_args or {}
+        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")  # vLLM's P/D hand-off, in
+        self.kv_transfer_params_out: dict | None = None  # and out (a prefill instance's answer)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.seqs: list[Sequence] = []

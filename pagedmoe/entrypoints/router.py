@@ -53,6 +53,32 @@ class Router:
             await upstream.aclose()
 
 
+class DisaggregatedRouter(Router):
+    """Prefill then decode, as vLLM's P/D proxies drive it: the request goes to the prefill instance with
+    max_tokens 1 and kv_transfer_params {"do_remote_decode": true}; its answer's kv_transfer_params go with
+    the original request to the decode instance, whose response (streamed or not) is the client's."""
+
+    def __init__(self, prefill: str, decode: str, timeout_s: float = 600.0):
+        super().__init__([decode], "round_robin", timeout_s)
+        self.prefill = prefill.rstrip("/")
+
+    async def forward(self, path: str, body: dict, headers: dict) -> Response:
+        prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+        prefill_body |= {"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": REMOTE_DECODE}
+        try:
+            answer = await self.http.post(self.prefill + path, json=prefill_body, headers=headers)
+        except httpx.HTTPError as error:
+            return unreachable(self.prefill, error)
+        if answer.status_code != 200:  # the client sees the prefill instance's error as it was
+            return Response(answer.content, answer.status_code, media_type="application/json")
+        params = answer.json().get("kv_transfer_params")
+        return await super().forward(path, body | {"kv_transfer_params": params}, headers)
+
+
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
 def request_text(body: dict) -> str:
     """What the policy matches: the prompt, or the chat messages' roles and contents in order."""
     if "messages" in body:
@@ -133,4 +159,7 @@ def router_in_thread(router: Router):
 
 
 def main(args: argparse.Namespace):
-    uvicorn.run(build_router_app(Router(args.replica, args.policy)), host=args.host, port=args.port)
+    if bool(args.prefill) != bool(args.decode) or bool(args.prefill) == bool(args.replica):
+        raise SystemExit("pagedmoe router: give --replica URL ..., or --prefill URL and --decode URL")
+    router = DisaggregatedRouter(args.prefill, args.decode) if args.prefill else Router(args.replica, args.policy)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port)

@@ -72,7 +72,9 @@ POLICIES = {"round_robin": RoundRobin, "cache_aware": CacheAware}
 
 def add_router_args(parser):
     """`pagedmoe router`'s flags (here, not in router.py, so that building the CLI imports no web stack)."""
-    parser.add_argument("--replica", action="append", required=True, help="a replica's base URL (repeat)")
+    parser.add_argument("--replica", action="append", help="a replica's base URL (repeat)")
+    parser.add_argument("--prefill", help="P/D: the prefill instance's base URL (kv_producer)")
+    parser.add_argument("--decode", help="P/D: the decode instance's base URL (kv_consumer)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="cache_aware")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)

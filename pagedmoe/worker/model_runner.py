@@ -9,6 +9,7 @@ from pagedmoe.distributed.parallel_state import COMM_SECONDS, RankInfo, broadcas
 from pagedmoe.engine.kv_cache_dp import PartitionedTransfers
 from pagedmoe.engine.kv_cache_manager import BlockTransfers
 from pagedmoe.engine.scheduler import SchedulerOutput
+from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace
@@ -88,6 +89,10 @@ class ModelRunner:
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
         self.eplb = self._eplb_state(config)
+        self.kv_connector = make_connector(config.kv_transfer_config)  # the worker side of P/D's KV hand-off
+        if self.kv_connector is not None and self.layer_slots is not None:
+            raise ValueError("kv_transfer_config: sliding-window KV (hybrid layout) is not handed off yet; "
+                             "use --disable-hybrid-kv-cache-manager")
         self.num_steps = 0
 
     def _eplb_state(self, config: EngineConfig):
@@ -167,11 +172,17 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block of {self.block_bytes} bytes")
         return num_blocks, num_host
 
+    def save_kv(self, save):
+        """A KV connector's save of a finished request's prompt KV (before its blocks are freed)."""
+        self.kv_connector.save_kv(save, self.kv_cache.device_cache, self.config.block_size)
+
     def apply_transfers(self, sched: SchedulerOutput):
         """The step's block copies (swap, offload, copy-on-write, prefix loads), once, before its forward."""
         if self.executor is not None and has_transfers(sched.transfers):
             self.executor.broadcast(sched.transfers)
         self.kv_cache.apply(own_transfers(sched.transfers, self.rank.rank))
+        for load in sched.connector_meta.loads if sched.connector_meta is not None else []:
+            self.kv_connector.start_load_kv(load, self.kv_cache.device_cache, self.config.block_size)
         if self.drafter is not None:
             self.drafter.apply(sched.transfers)
 

@@ -129,6 +129,7 @@ class SamplingRequest(RequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted for vLLM scripts: xgrammar is the one backend
     guided_whitespace_pattern: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D hand-off (see kv_transfer/connector.py)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            structured: StructuredOutputsParams | None = None) -> SamplingParams | BeamSearchParams:
@@ -141,8 +142,9 @@ class SamplingRequest(RequestModel):
                  "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
                  "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        extra = {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
-                              prompt_logprobs=self.engine_prompt_logprobs)
+                              prompt_logprobs=self.engine_prompt_logprobs, extra_args=extra)
 
     @property
     def engine_prompt_logprobs(self) -> int | None:

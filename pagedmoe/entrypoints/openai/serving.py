@@ -124,3 +124,9 @@ def usage(finals: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def kv_transfer_params(finals: list[RequestOutput]) -> dict:
+    """vLLM's top-level kv_transfer_params of a prefill instance's response, which a P/D proxy hands on."""
+    params = next((out.kv_transfer_params for out in finals if out.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}

@@ -11,7 +11,7 @@ from pagedmoe.entrypoints.openai.errors import APIError
 from pagedmoe.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from pagedmoe.entrypoints.openai.output_constraints import errors_named_after, structured_outputs
 from pagedmoe.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
+from pagedmoe.entrypoints.openai.serving import ServingContext, kv_transfer_params, usage, value_errors_as_400
 from pagedmoe.entrypoints.openai.streaming import (DONE, Delta, DeltaTracker, SSEResponse, error_event, sse,
                                                    stop_holdback, unless_disconnected)
 from pagedmoe.entrypoints.openai.tool_calls import (ToolDeltaTracker, ToolPlan, plan_tools, tool_finish_reason,
@@ -36,6 +36,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     finals = await unless_disconnected(raw, ctx.final_outputs(streams))
     choices = [_choice(out, body, plan) for out in finals[0].outputs]
     response = {**header, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+    response |= kv_transfer_params(finals)
     if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices
         response["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs)
     return response

@@ -11,7 +11,7 @@ from fastapi import Request
 from pagedmoe.entrypoints.openai.logprobs import completion_logprobs, echo_logprobs, joined_logprobs, prompt_logprobs
 from pagedmoe.entrypoints.openai.output_constraints import errors_named_after, structured_outputs
 from pagedmoe.entrypoints.openai.protocol import CompletionRequest
-from pagedmoe.entrypoints.openai.serving import ServingContext, usage, value_errors_as_400
+from pagedmoe.entrypoints.openai.serving import ServingContext, kv_transfer_params, usage, value_errors_as_400
 from pagedmoe.entrypoints.openai.streaming import (DONE, DeltaTracker, SSEResponse, error_event, sse, stop_holdback,
                                                    unless_disconnected)
 from pagedmoe.outputs import CompletionOutput, RequestOutput
@@ -46,7 +46,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         part = await _prompt_part(ctx, final, body)
         choices += [_choice(index * body.n + out.index, out.text, out, 0, len(out.token_ids), body, part)
                     for out in final.outputs[:body.n]]
-    return {**header, "choices": choices, "usage": usage(finals)}
+    return {**header, "choices": choices, "usage": usage(finals)} | kv_transfer_params(finals)
 
 
 async def _events(ctx: ServingContext, streams, body: CompletionRequest, header: dict) -> AsyncIterator[str]:

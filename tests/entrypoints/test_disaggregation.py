@@ -1,0 +1,74 @@
+"""Prefill/decode disaggregation on loopback: a prefill server (kv_producer) and a decode server
+(kv_consumer) sharing a SharedStorageConnector directory, behind `pagedmoe router --prefill --decode`: the same
+greedy tokens as one instance for 8 prompts of different lengths, streamed or not, the decode instance
+computing one prompt token a request; both pools free afterwards. Without the prefill's KV (its file gone),
+the decode instance computes the prompt itself. A prefill instance that cannot be reached gives the client a
+502, never a hang."""
+import json
+
+import httpx
+import pytest
+
+from conftest import make_prompts
+from server_utils import API_KEY, MODEL, serve, wait_all_blocks_free
+from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def connector(role: str, path) -> str:
+    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"shared_storage_path": str(path)}})
+
+
+@pytest.fixture(scope="module")
+def instances(text_model, tmp_path_factory):
+    store = tmp_path_factory.mktemp("kv-store")
+    with serve(text_model[0], num_kv_blocks=128) as single, \
+            serve(text_model[0], num_kv_blocks=128, kv_transfer_config=connector("kv_producer", store)) as prefill, \
+            serve(text_model[0], num_kv_blocks=128, kv_transfer_config=connector("kv_consumer", store)) as decode:
+        yield single, prefill, decode, store
+
+
+def complete(url: str, prompt, stream: bool = False) -> list[int] | str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "logprobs": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+    assert response.status_code == 200, response.text
+    if not stream:
+        return response.json()["choices"][0]["text"]
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    return "".join(c["text"] for e in events for c in e["choices"])
+
+
+def test_prefill_then_decode_matches_one_instance(instances):
+    single, prefill, decode, _ = instances
+    prompts = make_prompts(8, seed=6, min_len=3, max_len=70)
+    before = decode.engine.num_prompt_tokens
+    with router_in_thread(DisaggregatedRouter(prefill.url, decode.url)) as url:
+        for index, prompt in enumerate(prompts):
+            stream = index % 2 == 1
+            assert complete(url, prompt, stream) == complete(single.url, prompt, stream)
+    assert decode.engine.num_prompt_tokens - before == len(prompts)  # only each prompt's last token
+    for server in (single, prefill, decode):
+        wait_all_blocks_free(server)
+
+
+def test_decode_without_the_prefill_kv_computes_the_prompt(instances):
+    single, _, decode, store = instances
+    prompt = make_prompts(1, seed=8, min_len=40, max_len=40)[0]
+    before = decode.engine.num_prompt_tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "gone"}}
+    response = httpx.post(f"{decode.url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+    assert response.json()["choices"][0]["text"] == complete(single.url, prompt)
+    assert decode.engine.num_prompt_tokens - before == len(prompt)
+    wait_all_blocks_free(decode)
+
+
+def test_unreachable_prefill_is_a_502(instances):
+    _, _, decode, _ = instances
+    with router_in_thread(DisaggregatedRouter("http://127.0.0.1:9", decode.url)) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2},
+                              headers=HEADERS, timeout=30)
+    assert response.status_code == 502 and "could not be reached" in response.json()["error"]["message"]
