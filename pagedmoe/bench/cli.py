@@ -234,7 +234,8 @@ def _setup_vllm(args):
 # REMAINDER would reject their --options)
 PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory", "kernels": "pagedmoe.bench.cpu_kernels",
                "quantization": "pagedmoe.bench.quantization", "structured": "pagedmoe.bench.structured",
-               "parallel": "pagedmoe.bench.parallel", "router": "pagedmoe.bench.routing"}
+               "parallel": "pagedmoe.bench.parallel", "router": "pagedmoe.bench.routing",
+               "disagg": "pagedmoe.bench.disagg"}
 
 
 def _add_throughput(sub):
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("structured", help="constrained decoding: json_schema vs unconstrained tok/s, compile time")
     sub.add_parser("parallel", help="one process vs TP=2 and EP=2: tok/s, communication per step; EPLB balance")
     sub.add_parser("router", help="two replicas behind pagedmoe router: round robin vs cache-aware on shared prefixes")
+    sub.add_parser("disagg", help="one instance vs 1P1D (prefill/decode disaggregation): TTFT, ITL; KV transfer MB/s")
     return parser
 
 
