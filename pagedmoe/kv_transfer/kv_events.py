@@ -1,15 +1,16 @@
-"""KV cache events in vLLM's wire format, so KV-aware routers (vllm-router's kv_aware policy, llm-d, Dynamo)
-score pagedmoe replicas as they score vLLM ones. A batch is msgpack of [ts, [event, ...]], each event a tagged
-array as vLLM's msgspec structs encode: ["BlockStored", block_hashes, parent_block_hash, token_ids,
-block_size, lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. Block hashes are
-pagedmoe's 32-byte chained sha256 digests. medium: "GPU" for the engine's main pool (vLLM's name for the first
-tier, whatever the device), "CPU" for the host tier, "DISK" for the disk tier."""
+"""KV cache events in vLLM's wire format (vllm/distributed/kv_events.py as vLLM 0.32 encodes it with msgspec),
+so KV-aware routers (vllm-router's kv_aware policy, llm-d, Dynamo) score pagedmoe replicas as they score vLLM
+ones. A batch is msgpack of the array [ts, events, data_parallel_rank]; each event a map tagged by "type":
+{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+"lora_name"}, {"type": "BlockRemoved", "block_hashes", "medium"}, {"type": "AllBlocksCleared"}. Block hashes
+are pagedmoe's 32-byte chained sha256 digests (routers rehash the token ids). medium as vLLM names the tiers:
+"GPU" for the engine's main pool (whatever the device), "CPU" for the host tier, "STORAGE" for the disk tier."""
 import json
 from dataclasses import dataclass, field
 
 import msgpack
 
-MAIN, HOST, DISK = "GPU", "CPU", "DISK"
+MAIN, HOST, DISK = "GPU", "CPU", "STORAGE"
 
 
 @dataclass
@@ -20,10 +21,12 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MAIN
+    lora_name: str | None = None
 
-    def as_wire(self) -> list:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                self.lora_id, self.medium]
+    def as_wire(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": self.lora_id,
+                "medium": self.medium, "lora_name": self.lora_name}
 
 
 @dataclass
@@ -31,28 +34,30 @@ class BlockRemoved:
     block_hashes: list[bytes]
     medium: str | None = MAIN
 
-    def as_wire(self) -> list:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def as_wire(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
 
 
 @dataclass
 class AllBlocksCleared:
-    def as_wire(self) -> list:
-        return ["AllBlocksCleared"]
+    def as_wire(self) -> dict:
+        return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(ts: float, events: list) -> bytes:
-    return msgpack.packb([ts, [event.as_wire() for event in events]], use_bin_type=True)
+def encode_batch(ts: float, events: list, data_parallel_rank: int = 0) -> bytes:
+    return msgpack.packb([ts, [event.as_wire() for event in events], data_parallel_rank], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list]:
-    ts, events = msgpack.unpackb(payload, raw=False)
+    ts, events, *_ = msgpack.unpackb(payload, raw=False)
     return ts, [_from_wire(event) for event in events]
 
 
-def _from_wire(event: list):
-    kind, *fields = event
-    return {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}[kind](*fields)
+def _from_wire(event: dict):
+    kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+    fields = {k: v for k, v in event.items() if k != "type"}
+    kind = kinds[event["type"]]
+    return kind(**{k: v for k, v in fields.items() if k in kind.__dataclass_fields__})
 
 
 @dataclass

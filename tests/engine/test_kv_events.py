@@ -103,7 +103,8 @@ def test_offloaded_blocks_are_announced_in_the_cpu_tier_and_replayed(model_path)
         events = [e for batch in batches for e in batch]
         assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in events)
         assert any(isinstance(e, BlockRemoved) and e.medium == "GPU" for e in events)
-        raw = msgpack.packb([1.0, [["BlockRemoved", [b"h"], "GPU"]]])
-        assert decode_batch(raw)[1] == [BlockRemoved([b"h"], "GPU")]  # vLLM's array-like tagged layout
+        # vLLM 0.32's layout: the batch an array, each event a map tagged by "type" (extra keys ignored)
+        raw = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [b"h"], "medium": "GPU", "group_idx": 0}], 0])
+        assert decode_batch(raw)[1] == [BlockRemoved([b"h"], "GPU")]
     finally:
         llm.engine.shutdown()
