@@ -229,18 +229,31 @@ class LLMEngine:
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         start, num_generated = time.perf_counter(), self.num_generation_tokens
         kind = decode_step_kind(sched) if self.spec_switch is not None else None
-        self.runner.apply_transfers(sched)
+        failed = self._drop_failed_loads(sched, self.runner.apply_transfers(sched))
+        if not sched.seqs:
+            return failed
         try:
             out = self.runner.execute(sched)
         except Exception as error:
             if is_fatal(error):
                 raise
-            return self._step_each_request(sched, error)
-        outputs = self._postprocess(sched, out)
+            return failed + self._step_each_request(sched, error)
+        outputs = failed + self._postprocess(sched, out)
         if kind is not None:
             self.spec_switch.record(len(sched.seqs), kind, time.perf_counter() - start,
                                     self.num_generation_tokens - num_generated, self._proposal_s)
         return outputs
+
+    def _drop_failed_loads(self, sched: SchedulerOutput, failed_loads: dict) -> list[RequestOutput]:
+        """Requests whose remote KV did not load fail with that error (policy "fail", vLLM's default); the
+        rest of the step goes on without them."""
+        if not failed_loads:
+            return []
+        failed = {rid: (self.requests[rid], error) for rid, error in failed_loads.items() if rid in self.requests}
+        keep = [i for i, seq in enumerate(sched.seqs) if seq.request.request_id not in failed]
+        sched.seqs, sched.num_new_tokens = [sched.seqs[i] for i in keep], [sched.num_new_tokens[i] for i in keep]
+        self._fail(failed)
+        return [self._make_output(request, time.time()) for request, _ in failed.values()]
 
     def _step_each_request(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A failed step runs again one request at a time: a request that fails alone gets an error output,

@@ -48,6 +48,7 @@ class KVLoad:
     key: str
     block_ids: list[int]
     num_tokens: int
+    request_id: str = ""
 
 
 @dataclass
@@ -71,7 +72,7 @@ class KVConnector:
 
     def update_state_after_alloc(self, seq, num_external_tokens: int):
         self.pending.loads.append(KVLoad(self.key_of(seq, num_external_tokens), list(seq.block_table),
-                                         num_external_tokens))
+                                         num_external_tokens, seq.request.request_id))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self.pending = self.pending, ConnectorMetadata()

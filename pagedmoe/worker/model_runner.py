@@ -181,8 +181,20 @@ class ModelRunner:
         if self.executor is not None and has_transfers(sched.transfers):
             self.executor.broadcast(sched.transfers)
         self.kv_cache.apply(own_transfers(sched.transfers, self.rank.rank))
-        for load in sched.connector_meta.loads if sched.connector_meta is not None else []:
-            self.kv_connector.start_load_kv(load, self.kv_cache.device_cache, self.config.block_size)
+        return self._load_remote_kv(sched.connector_meta.loads if sched.connector_meta is not None else [])
+
+    def _load_remote_kv(self, loads) -> dict[str, Exception]:
+        """A KV connector's loads before the forward; the requests whose load failed, with the error (their
+        steps must not run on blocks that hold no KV: the engine fails them, the others go on)."""
+        failed = {}
+        for load in loads:
+            try:
+                self.kv_connector.start_load_kv(load, self.kv_cache.device_cache, self.config.block_size)
+            except MemoryError:
+                raise
+            except Exception as error:  # a missing, partial or foreign file (safetensors raises its own type)
+                failed[load.request_id] = error
+        return failed
         if self.drafter is not None:
             self.drafter.apply(sched.transfers)
 

@@ -72,3 +72,20 @@ def test_unreachable_prefill_is_a_502(instances):
         response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2},
                               headers=HEADERS, timeout=30)
     assert response.status_code == 502 and "could not be reached" in response.json()["error"]["message"]
+
+
+def test_a_remote_kv_that_fails_to_load_fails_its_request_alone(instances, tmp_path):
+    """The stored KV is unreadable at the load: that request fails (vLLM's policy "fail"; the server's 500
+    names the reason, as for any request the engine fails), the next request is untouched, the pool is free."""
+    single, _, decode, store = instances
+    engine = decode.engine
+    prompt = make_prompts(1, seed=12, min_len=40, max_len=40)[0]
+    connector = engine.connector
+    seq_key = connector.key_of(type("S", (), {"token_ids": prompt})(), len(prompt) - 1)
+    (store / f"{seq_key}.safetensors").write_bytes(b"not a safetensors file")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_prefill": True}}
+    bad = httpx.post(f"{decode.url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+    assert bad.status_code == 500 and "SafetensorError" in bad.text
+    assert complete(decode.url, [5, 6, 7]) == complete(single.url, [5, 6, 7])
+    wait_all_blocks_free(decode)
