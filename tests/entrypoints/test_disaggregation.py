@@ -2,15 +2,18 @@
 (kv_consumer) sharing a SharedStorageConnector directory, behind `pagedmoe router --prefill --decode`: the same
 greedy tokens as one instance for 8 prompts of different lengths, streamed or not, the decode instance
 computing one prompt token a request; both pools free afterwards. Without the prefill's KV (its file gone),
-the decode instance computes the prompt itself. A prefill instance that cannot be reached gives the client a
-502, never a hang."""
+the decode instance computes the prompt itself. A prefill instance that cannot be reached, or whose process is
+killed mid-run (P and D as processes of their own), gives the client a 502, never a hang."""
+import contextlib
 import json
+import subprocess
 
 import httpx
 import pytest
 
 from conftest import make_prompts
 from server_utils import API_KEY, MODEL, serve, wait_all_blocks_free
+from pagedmoe.bench.server import free_port, serve_command, stop_process, wait_healthy
 from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,8 +33,8 @@ def instances(text_model, tmp_path_factory):
         yield single, prefill, decode, store
 
 
-def complete(url: str, prompt, stream: bool = False) -> list[int] | str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+def complete(url: str, prompt, stream: bool = False, model: str | None = MODEL) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "stream": stream, "logprobs": 0}
     response = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60)
     assert response.status_code == 200, response.text
@@ -89,3 +92,40 @@ def test_a_remote_kv_that_fails_to_load_fails_its_request_alone(instances, tmp_p
     assert bad.status_code == 500 and "SafetensorError" in bad.text
     assert complete(decode.url, [5, 6, 7]) == complete(single.url, [5, 6, 7])
     wait_all_blocks_free(decode)
+
+
+def metric_total(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pagedmoe:{name}{{"))
+
+
+@contextlib.contextmanager
+def server_process(path: str, role: str, store):
+    """`pagedmoe serve` in a process of its own (no API key; the model's name is its path)."""
+    port = free_port()
+    process = subprocess.Popen(serve_command(path, port, {"kv_transfer_config": connector(role, store)}))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 120, lambda: process.poll() is None)
+        yield url, process
+    finally:
+        stop_process(process, 10)
+
+
+def test_separate_processes_and_a_killed_prefill(text_model, tmp_path):
+    """P and D as their own `pagedmoe serve` processes: tokens as one instance, D computes one prompt token a
+    request and ends with no block in use; once the prefill process is killed, requests get a 502 at once."""
+    store, path = tmp_path / "kv", text_model[0]
+    prompts = make_prompts(4, seed=14, min_len=5, max_len=50)
+    with serve(path, num_kv_blocks=128) as single, server_process(path, "kv_producer", store) as (prefill, p_proc), \
+            server_process(path, "kv_consumer", store) as (decode, _), \
+            router_in_thread(DisaggregatedRouter(prefill, decode)) as url:
+        expected = [complete(single.url, p) for p in prompts]
+        before = metric_total(decode, "prompt_tokens_total")
+        assert [complete(url, p, model=None) for p in prompts] == expected
+        assert metric_total(decode, "prompt_tokens_total") - before == len(prompts)
+        assert metric_total(decode, "kv_cache_usage_perc") == 0
+        p_proc.kill()
+        p_proc.wait(10)
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=30)
+        assert response.status_code == 502
