@@ -2,16 +2,14 @@
 engine in one namespace, rank 1 a headless `pagedmoe serve --node-rank 1` in the other, meeting at
 --master-addr over TCP as on two machines. The tokens match one process."""
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import make_prompts, pagedmoe_greedy, save_random_model, tiny_dense_config
+from netns import ADDRS, in_namespace, two_hosts
 
-NAMESPACES, LINKS, ADDRS = ("pm-node0", "pm-node1"), ("pm-veth0", "pm-veth1"), ("10.213.7.1", "10.213.7.2")
 PORT = 29517
 DRIVER = """
 import json, sys
@@ -27,47 +25,24 @@ if __name__ == "__main__":
 """
 
 
-def ip(*args: str):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
-def two_hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's ip")
-    try:
-        for ns in NAMESPACES:
-            ip("netns", "add", ns)
-    except subprocess.CalledProcessError as error:
-        pytest.skip(f"this machine does not allow network namespaces: {error.stderr.strip()}")
-    try:
-        ip("link", "add", LINKS[0], "netns", NAMESPACES[0], "type", "veth", "peer", "name", LINKS[1], "netns",
-           NAMESPACES[1])
-        for ns, link, addr in zip(NAMESPACES, LINKS, ADDRS):
-            for args in (("addr", "add", f"{addr}/24", "dev", link), ("link", "set", link, "up"), ("link", "set", "lo", "up")):
-                ip("netns", "exec", ns, "ip", *args)
+def hosts():
+    with two_hosts():
         yield
-    finally:
-        for ns in NAMESPACES:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def in_namespace(index: int, argv: list[str]) -> subprocess.Popen:
-    env = os.environ | {"GLOO_SOCKET_IFNAME": LINKS[index]}
-    return subprocess.Popen(["ip", "netns", "exec", NAMESPACES[index], *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def test_tp2_across_two_namespaces_matches_one_process(two_hosts, tmp_path):
+def test_tp2_across_two_namespaces_matches_one_process(hosts, tmp_path):
     path = str(tmp_path / "llama")
     save_random_model(tiny_dense_config("llama"), path)
     prompts = make_prompts(4, seed=9)
     driver_script = tmp_path / "driver.py"
     driver_script.write_text(DRIVER)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     node1 = in_namespace(1, [sys.executable, "-m", "pagedmoe", "serve", path, "--tensor-parallel-size", "2",
                              "--nnodes", "2", "--node-rank", "1", "--master-addr", ADDRS[0], "--master-port",
-                             str(PORT), "--dtype", "float32", "--skip-tokenizer-init"])
-    driver = in_namespace(0, [sys.executable, str(driver_script), path, ADDRS[0], str(PORT), json.dumps(prompts)])
+                             str(PORT), "--dtype", "float32", "--skip-tokenizer-init"], **pipes)
+    driver = in_namespace(0, [sys.executable, str(driver_script), path, ADDRS[0], str(PORT), json.dumps(prompts)],
+                          **pipes)
     try:
         out, err = driver.communicate(timeout=180)
         assert driver.returncode == 0, err[-3000:]

@@ -7,6 +7,7 @@ killed mid-run (P and D as processes of their own), gives the client a 502, neve
 import contextlib
 import json
 import subprocess
+import sys
 
 import httpx
 import pytest
@@ -129,3 +130,62 @@ def test_separate_processes_and_a_killed_prefill(text_model, tmp_path):
         p_proc.wait(10)
         response = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=30)
         assert response.status_code == 502
+
+
+CLIENT = """
+import json, sys
+import httpx
+prompts, url = json.loads(sys.argv[1]), sys.argv[2]
+texts = [httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
+                                                     "ignore_eos": True}, timeout=60).json()["choices"][0]["text"]
+         for p in prompts]
+print(json.dumps(texts))
+"""
+
+
+def test_prefill_and_decode_in_two_network_namespaces(text_model, tmp_path):
+    """The pair on two test hosts (network namespaces over a veth pair, sharing only the storage directory's
+    file system): P and the proxy on host 0, D on host 1, a client on host 0; one instance's tokens."""
+    from netns import ADDRS, in_namespace, two_hosts
+    store, path, script = tmp_path / "kv", text_model[0], tmp_path / "client.py"
+    script.write_text(CLIENT)
+    prompts = make_prompts(3, seed=16, min_len=5, max_len=40)
+    with serve(path, num_kv_blocks=128) as single, two_hosts():
+        expected = [complete(single.url, p) for p in prompts]
+        ports = [free_port() for _ in range(3)]
+        procs = [in_namespace(0, serve_command(path, ports[0], {"kv_transfer_config": connector("kv_producer", store)})
+                              + ["--host", ADDRS[0]]),
+                 in_namespace(1, serve_command(path, ports[1], {"kv_transfer_config": connector("kv_consumer", store)})
+                              + ["--host", ADDRS[1]]),
+                 in_namespace(0, [sys.executable, "-m", "pagedmoe", "router", "--prefill", f"http://{ADDRS[0]}:{ports[0]}",
+                                  "--decode", f"http://{ADDRS[1]}:{ports[1]}", "--host", ADDRS[0], "--port", str(ports[2])])]
+        try:
+            client = in_namespace(0, [sys.executable, "-c", WAIT_AND_RUN, str(script), json.dumps(prompts),
+                                      f"http://{ADDRS[0]}:{ports[2]}", f"http://{ADDRS[1]}:{ports[1]}"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = client.communicate(timeout=240)
+            assert client.returncode == 0, err[-3000:]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(10)
+    assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+WAIT_AND_RUN = """
+import runpy, sys, time
+import httpx
+script, prompts, router, decode = sys.argv[1:]
+deadline = time.monotonic() + 120
+for url in (router, decode):
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not come up"
+        time.sleep(0.5)
+sys.argv = [script, prompts, router]
+runpy.run_path(script, run_name="__main__")
+"""
