@@ -75,12 +75,7 @@ class ModelRunner:
         self.sliding_window, self.layer_slots = self._hybrid_kv_layout()
         self.num_kv_layers = max(self.layer_slots) + 1 if self.layer_slots else config.hf_config.num_hidden_layers
         self.num_blocks, self.num_host_blocks = self._num_blocks()
-        self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
-        disk_dir = (config.kv_offload_dir or tempfile.gettempdir()) if self.num_disk_blocks else None
-        num_dummy = int(config.data_parallel_size > 1)  # data-parallel attention: an idle rank's dummy token
-        self.kv_cache = KVCacheStorage(self.num_kv_layers, self.num_kv_tensors, self.token_shape,
-                                       self.num_blocks + num_dummy, self.num_host_blocks, config.block_size,
-                                       config.torch_dtype, self.device, disk_dir)
+        self.kv_cache = self._kv_storage(config)
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
         if self.drafter is not None:
@@ -89,11 +84,23 @@ class ModelRunner:
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
         self.eplb = self._eplb_state(config)
-        self.kv_connector = make_connector(config.kv_transfer_config)  # the worker side of P/D's KV hand-off
-        if self.kv_connector is not None and self.layer_slots is not None:
+        self.kv_connector = self._kv_connector(config)
+        self.num_steps = 0
+
+    def _kv_storage(self, config: EngineConfig) -> KVCacheStorage:
+        self.num_disk_blocks = config.kv_offload_disk_bytes // self.block_bytes if config.kv_offload else 0
+        disk_dir = (config.kv_offload_dir or tempfile.gettempdir()) if self.num_disk_blocks else None
+        num_dummy = int(config.data_parallel_size > 1)  # data-parallel attention: an idle rank's dummy token
+        return KVCacheStorage(self.num_kv_layers, self.num_kv_tensors, self.token_shape, self.num_blocks + num_dummy,
+                              self.num_host_blocks, config.block_size, config.torch_dtype, self.device, disk_dir)
+
+    def _kv_connector(self, config: EngineConfig):
+        """The worker side of P/D's KV hand-off (kv_transfer/), or None."""
+        connector = make_connector(config.kv_transfer_config)
+        if connector is not None and self.layer_slots is not None:
             raise ValueError("kv_transfer_config: sliding-window KV (hybrid layout) is not handed off yet; "
                              "use --disable-hybrid-kv-cache-manager")
-        self.num_steps = 0
+        return connector
 
     def _eplb_state(self, config: EngineConfig):
         """The driver's EPLB window and schedule, where enable_eplb (distributed/eplb_state.py)."""
