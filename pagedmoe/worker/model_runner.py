@@ -188,6 +188,8 @@ class ModelRunner:
         if self.executor is not None and has_transfers(sched.transfers):
             self.executor.broadcast(sched.transfers)
         self.kv_cache.apply(own_transfers(sched.transfers, self.rank.rank))
+        if self.drafter is not None:
+            self.drafter.apply(sched.transfers)
         return self._load_remote_kv(sched.connector_meta.loads if sched.connector_meta is not None else [])
 
     def _load_remote_kv(self, loads) -> dict[str, Exception]:
@@ -202,8 +204,6 @@ class ModelRunner:
             except Exception as error:  # a missing, partial or foreign file (safetensors raises its own type)
                 failed[load.request_id] = error
         return failed
-        if self.drafter is not None:
-            self.drafter.apply(sched.transfers)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
