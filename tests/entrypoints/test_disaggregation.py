@@ -161,7 +161,8 @@ def test_prefill_and_decode_in_two_network_namespaces(text_model, tmp_path):
                                   "--decode", f"http://{ADDRS[1]}:{ports[1]}", "--host", ADDRS[0], "--port", str(ports[2])])]
         try:
             client = in_namespace(0, [sys.executable, "-c", WAIT_AND_RUN, str(script), json.dumps(prompts),
-                                      f"http://{ADDRS[0]}:{ports[2]}", f"http://{ADDRS[1]}:{ports[1]}"],
+                                      f"http://{ADDRS[0]}:{ports[2]}", f"http://{ADDRS[0]}:{ports[0]}",
+                                      f"http://{ADDRS[1]}:{ports[1]}"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = client.communicate(timeout=240)
             assert client.returncode == 0, err[-3000:]
@@ -175,9 +176,9 @@ def test_prefill_and_decode_in_two_network_namespaces(text_model, tmp_path):
 WAIT_AND_RUN = """
 import runpy, sys, time
 import httpx
-script, prompts, router, decode = sys.argv[1:]
-deadline = time.monotonic() + 120
-for url in (router, decode):
+script, prompts, router, prefill, decode = sys.argv[1:]
+deadline = time.monotonic() + 180
+for url in (router, prefill, decode):  # every process up before the first request
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
