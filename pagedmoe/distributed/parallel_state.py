@@ -22,7 +22,6 @@ class RankInfo:
 
 
 COMM_SECONDS: dict[str, float] = defaultdict(float)  # this process's time in each collective, and "forward"
-COMM_CALLS: dict[str, int] = defaultdict(int)
 
 
 @contextlib.contextmanager
@@ -30,7 +29,6 @@ def timed(kind: str):
     start = time.perf_counter()
     yield
     COMM_SECONDS[kind] += time.perf_counter() - start
-    COMM_CALLS[kind] += 1
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):

@@ -35,8 +35,7 @@ class DataParallelKVManager:
         self.pool = CombinedPool([m.pool for m in managers])
         self.host_pool = CombinedPool([m.host_pool for m in managers])
         self.events = None
-
-    drop_last_hit = property(lambda self: False, lambda self, value: None)  # MTP / EAGLE: refused with DP
+        self.drop_last_hit = False  # speculative decoding (MTP / EAGLE) is refused with several ranks
     capacity_blocks = property(lambda self: self.managers[0].pool.num_blocks)  # what one sequence may use
     num_queried_tokens = property(lambda self: sum(m.num_queried_tokens for m in self.managers))
     num_offloaded_blocks = property(lambda self: sum(m.num_offloaded_blocks for m in self.managers))

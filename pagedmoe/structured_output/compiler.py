@@ -15,7 +15,6 @@ class GrammarCompiler:
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputsParams):
         try:
@@ -35,9 +34,6 @@ class GrammarCompiler:
         if kind == "choice":
             return self.compiler.compile_grammar(choice_grammar(params.choice))
         return self.compiler.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
-
-    def bitmask_width(self) -> int:
-        return -(-self.vocab_size // 32)
 
 
 def _schema(params: StructuredOutputsParams) -> str:

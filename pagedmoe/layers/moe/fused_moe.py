@@ -9,9 +9,7 @@ from pagedmoe.layers.activation import ACTIVATIONS, silu_and_mul, swigluoai_and_
 from pagedmoe.layers.linear import packed_linear
 
 def expert_counts(topk_ids: Tensor, num_experts: int) -> Tensor:
-    """Tokens per expert; ids of -1 (pairs another rank computes) are not counted."""
-    ids = topk_ids.flatten()
-    return torch.bincount(ids[ids >= 0], minlength=num_experts)
+    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
 
 
 def routed_order(topk_ids: Tensor) -> Tensor:
@@ -48,9 +46,9 @@ def combine(out_sorted: Tensor, order: Tensor, topk_weights: Tensor) -> Tensor:
 def grouped_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                     act, w13_bias: Tensor | None, w2_bias: Tensor | None) -> Tensor:
     """All experts in two grouped matmuls over the token copies sorted by expert (CUDA, and CPU unpacked)."""
-    counts = expert_counts(topk_ids, w13.shape[0])
     order = routed_order(topk_ids)
     sorted_ids = topk_ids.flatten()[order]
+    counts = torch.bincount(sorted_ids, minlength=w13.shape[0])
     hidden = act(grouped_linear(x[order // topk_ids.shape[1]], w13, counts, w13_bias, sorted_ids))
     out_sorted = grouped_linear(hidden, w2, counts, w2_bias, sorted_ids)
     return combine(out_sorted, order, topk_weights)
@@ -73,7 +71,7 @@ def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tens
     token_ids = order // topk_ids.shape[1]
     x_sorted = x.index_select(0, token_ids)
     out_sorted = x.new_empty(x_sorted.shape[0], w2[0].shape[0])
-    ends = expert_counts(topk_ids, len(w13)).cumsum(0).tolist()
+    ends = torch.bincount(topk_ids.flatten()[order], minlength=len(w13)).cumsum(0).tolist()
     for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:
             hidden = act(linear(x_sorted[start:end], w13[expert], bias_of(w13_bias, expert)))
