@@ -53,6 +53,7 @@ class EngineStats:
     expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts and accepted tokens
     parallel: object | None = None  # with several ranks: distributed/stats.py's ParallelStats
+    expert_cache: object | None = None  # offloaded experts: layers/moe/offload/stats.py's ExpertCacheStats
 
     @property
     def kv_cache_usage(self) -> float:
@@ -522,7 +523,7 @@ class LLMEngine:
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist(),
                            self.spec_decode_stats.copy() if self.proposer is not None else None,
-                           self.runner.parallel_stats(self.expert_load))
+                           self.runner.parallel_stats(self.expert_load), self.runner.expert_cache_stats())
 
 
 def _advance_grammar(seq: Sequence, token_id: int):

@@ -13,6 +13,7 @@ from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace
+from pagedmoe.layers.moe.offload.stats import expert_cache_stats
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
 from pagedmoe.spec_decode.proposer import make_drafter
@@ -130,6 +131,10 @@ class ModelRunner:
         self.rank_seconds = getattr(self, "rank_seconds", None) or RankSeconds()
         return parallel_stats(getattr(self.model, "moe_layers", []), expert_load, self.rank.world_size,
                               self.num_steps, self.rank_seconds.get(self.executor))
+
+    def expert_cache_stats(self):
+        """Offloaded experts' cache counters (layers/moe/offload/stats.py), or None."""
+        return expert_cache_stats(getattr(self.model, "moe_layers", []))
 
     def shutdown(self):
         if self.executor is not None:
