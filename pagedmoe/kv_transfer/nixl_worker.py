@@ -111,14 +111,23 @@ class NixlWorker:
                 self.agent.send_notif(remote.agent_name, read.load.key.encode())
                 return True
             read.handle = self._post(read.load, remote)
-        state = self.agent.check_xfer_state(read.handle)
-        if state == "ERR":
-            self._forget(read.load.remote["remote_engine_id"])
-            raise RuntimeError(f"kv_transfer: the NIXL read from engine {read.load.remote['remote_engine_id']} failed")
+        state = self._state(read)
         if state == "DONE":
             self.read_seconds += time.perf_counter() - read.started
             self.bytes_read += self.layout.block_bytes * self.layout.num_planes * self._num_blocks(read.load)
         return state == "DONE"
+
+    def _state(self, read: Read) -> str:
+        """The read's NIXL state; a failure (the peer gone: NIXL_ERR_REMOTE_DISCONNECT) raises, naming it."""
+        engine_id = read.load.remote["remote_engine_id"]
+        try:
+            state = self.agent.check_xfer_state(read.handle)
+        except Exception as error:
+            state = f"{type(error).__name__}: {error}"
+        if state not in ("DONE", "PROC"):
+            self._forget(engine_id)
+            raise RuntimeError(f"kv_transfer: the NIXL read from engine {engine_id} failed ({state})")
+        return state
 
     def _remote(self, params: dict) -> Remote | None:
         """The remote engine once its handshake is done (None before); raises the handshake's error."""
@@ -156,9 +165,15 @@ class NixlWorker:
         local = self.agent.get_xfer_descs(self.layout.descs(load.block_ids[:num_blocks]), "DRAM")
         peer = self.agent.get_xfer_descs(remote.layout.descs(remote_ids), "DRAM")
         handle = self.agent.initialize_xfer("READ", local, peer, remote.agent_name, load.key.encode())
-        if self.agent.transfer(handle) == "ERR":
+        try:
+            posted = self.agent.transfer(handle)
+        except Exception as error:
+            posted = f"{type(error).__name__}: {error}"
+        if posted not in ("DONE", "PROC"):
             self.agent.release_xfer_handle(handle)
-            raise RuntimeError(f"kv_transfer: NIXL could not post the read from {load.remote['remote_engine_id']}")
+            self._forget(load.remote["remote_engine_id"])
+            raise RuntimeError(f"kv_transfer: the NIXL read from engine {load.remote['remote_engine_id']} could "
+                               f"not be posted ({posted})")
         return handle
 
     def _drop(self, request_id: str):

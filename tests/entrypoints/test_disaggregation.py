@@ -101,10 +101,10 @@ def metric_total(url: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def server_process(path: str, role: str, store):
+def server_process(path: str, kv_transfer_config: str):
     """`pagedmoe serve` in a process of its own (no API key; the model's name is its path)."""
     port = free_port()
-    process = subprocess.Popen(serve_command(path, port, {"kv_transfer_config": connector(role, store)}))
+    process = subprocess.Popen(serve_command(path, port, {"kv_transfer_config": kv_transfer_config}))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 120, lambda: process.poll() is None)
@@ -118,8 +118,8 @@ def test_separate_processes_and_a_killed_prefill(text_model, tmp_path):
     request and ends with no block in use; once the prefill process is killed, requests get a 502 at once."""
     store, path = tmp_path / "kv", text_model[0]
     prompts = make_prompts(4, seed=14, min_len=5, max_len=50)
-    with serve(path, num_kv_blocks=128) as single, server_process(path, "kv_producer", store) as (prefill, p_proc), \
-            server_process(path, "kv_consumer", store) as (decode, _), \
+    with serve(path, num_kv_blocks=128) as single, server_process(path, connector("kv_producer", store)) as (prefill, p_proc), \
+            server_process(path, connector("kv_consumer", store)) as (decode, _), \
             router_in_thread(DisaggregatedRouter(prefill, decode)) as url:
         expected = [complete(single.url, p) for p in prompts]
         before = metric_total(decode, "prompt_tokens_total")

@@ -147,3 +147,21 @@ def test_bad_extra_config_names_the_field(text_model):
                         ({"side_channel_port": "x"}, "side_channel_port")):
         with pytest.raises(ValueError, match=name):
             nixl_engine(text_model[0], "kv_producer", **extra)
+
+
+def test_an_aborted_prefill_request_takes_no_lease(text_model):
+    """Aborted mid-prefill (chunked, blocks allocated), the request hands nothing off: its blocks are freed."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    producer = LLMEngine.from_engine_args(text_model[0], dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                                          kv_transfer_config=config)
+    try:
+        prompt = make_prompts(1, seed=61, min_len=60, max_len=60)[0]
+        producer.add_request("cut", {"prompt_token_ids": prompt}, params({"do_remote_decode": True}, 1))
+        producer.step()
+        assert producer.kv.pool.num_used_blocks > 0
+        producer.abort_request("cut")
+        producer.step()
+        assert producer.connector.num_leases == 0
+        assert_all_blocks_free(producer)
+    finally:
+        producer.shutdown()
