@@ -226,6 +226,8 @@ class LLMEngine:
         failed = self._update_kv_transfers()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.waiting_for_remote_kvs:
+                time.sleep(0.0005)  # only remote reads in flight (NIXL moves them): no busy loop on the core
             return failed
         outputs = failed + self._run_step(sched)
         self._publish_kv_events()  # the blocks this step wrote are stored now

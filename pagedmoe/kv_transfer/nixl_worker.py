@@ -1,8 +1,14 @@
 """The NIXL connector's worker side: a NIXL agent (UCX backend) with this engine's KV cache registered. A
 decode engine reads a prefill engine's blocks into its own with NIXL READs: one handshake per remote engine
 (side channel, in a background thread so no step waits on it), then one read per request, posted and polled
-each step; the read's notification tells the prefill engine that its blocks may be freed."""
+each step; the read's notification tells the prefill engine that its blocks may be freed.
+
+NIXL's own progress thread polls UCX without pause (its Python API sets no delay): on this 2-core machine it
+took a whole core per engine (3.0 CPU-s in 3 s idle). So it is off, and a thread of ours drives progress
+every PROGRESS_INTERVAL_S instead (UCX over TCP moves a read only while both agents progress); the agent is
+used under one lock."""
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,6 +20,7 @@ from pagedmoe.kv_transfer.connector import KVLoad, KVTransferOutput
 from pagedmoe.kv_transfer.nixl_side_channel import fetch_metadata
 
 logger = logging.getLogger(__name__)
+PROGRESS_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -67,14 +74,27 @@ class NixlWorker:
         except ImportError as error:
             raise ValueError(f"kv_transfer_config: NixlConnector needs the nixl-cu12 package ({error})") from None
         self.engine_id, self.handshake_timeout = engine_id, handshake_timeout
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=backends))
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False, backends=backends))
         self.registered = self.agent.register_memory(cache)
         self.layout = KVLayout.of(cache)
         self.remotes: dict[str, Remote] = {}
         self.handshakes: dict[str, Future] = {}
         self.reads: dict[str, Read] = {}
+        self.notified: list[str] = []  # request ids peers have read (or released), from their notifications
         self.background = ThreadPoolExecutor(1, thread_name_prefix="nixl-handshake")
         self.bytes_read, self.read_seconds = 0, 0.0  # for the transfer bandwidth
+        self.lock, self.stopping = threading.Lock(), threading.Event()
+        self.progress = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
+        self.progress.start()
+
+    def _progress(self):
+        while not self.stopping.wait(PROGRESS_INTERVAL_S):
+            with self.lock:
+                self._take_notifications()
+
+    def _take_notifications(self):
+        notifications = self.agent.get_new_notifs()
+        self.notified += [message.decode() for messages in notifications.values() for message in messages]
 
     def handshake_metadata(self) -> dict:
         return {"engine_id": self.engine_id, "agent_metadata": self.agent.get_agent_metadata(),
@@ -82,11 +102,19 @@ class NixlWorker:
 
     def start_read(self, load: KVLoad):
         """Queues the read (or, with no blocks, the bare release notification) of load's remote blocks."""
-        self.reads[load.request_id] = Read(load)
-        self._remote(load.remote)
+        with self.lock:
+            self.reads[load.request_id] = Read(load)
+            self._remote(load.remote)
 
     def get_finished(self) -> KVTransferOutput:
-        out = KVTransferOutput(finished_sending=self._notifications())
+        with self.lock:
+            self._take_notifications()
+            out = KVTransferOutput(finished_sending=self.notified)
+            self.notified = []
+            self._advance_reads(out)
+        return out
+
+    def _advance_reads(self, out: KVTransferOutput):
         for request_id, read in list(self.reads.items()):
             try:
                 if self._advance(read):
@@ -96,10 +124,6 @@ class NixlWorker:
                 out.failed_recving[request_id] = error
                 self._drop(request_id)
         self.handshakes = {e: f for e, f in self.handshakes.items() if not (f.done() and f.exception())}
-        return out
-
-    def _notifications(self) -> list[str]:
-        return [message.decode() for messages in self.agent.get_new_notifs().values() for message in messages]
 
     def _advance(self, read: Read) -> bool:
         """Moves a read on; True once it is done."""
@@ -188,6 +212,8 @@ class NixlWorker:
             self.agent.remove_remote_agent(remote.agent_name)
 
     def shutdown(self):
+        self.stopping.set()
+        self.progress.join(2)
         self.background.shutdown(wait=False, cancel_futures=True)
         for request_id in list(self.reads):
             self._drop(request_id)
