@@ -5,16 +5,13 @@ notifications); a prefill process killed after its answer fails the next request
 (a 500 naming the reason, no hang) while others go on; the pair across two network namespaces (UCX over TCP on a
 veth pair)."""
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from conftest import make_prompts
 from server_utils import HEADERS, MODEL, serve, wait_all_blocks_free, wait_until
-from test_disaggregation import CLIENT, WAIT_AND_RUN, complete, server_process
-from pagedmoe.bench.server import free_port, serve_command
+from test_disaggregation import assert_pair_matches_one_instance, complete, run_pair_in_namespaces, server_process
 from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
 
 pytest.importorskip("nixl_cu12")
@@ -40,13 +37,7 @@ def wait_pair_free(prefill, decode):
 
 def test_prefill_then_decode_over_nixl_matches_one_instance(instances):
     single, prefill, decode = instances
-    prompts = make_prompts(8, seed=26, min_len=3, max_len=70)
-    before = decode.engine.num_prompt_tokens
-    with router_in_thread(DisaggregatedRouter(prefill.url, decode.url)) as url:
-        for index, prompt in enumerate(prompts):
-            stream = index % 2 == 1
-            assert complete(url, prompt, stream) == complete(single.url, prompt, stream)
-    assert decode.engine.num_prompt_tokens - before == len(prompts)  # only each prompt's last token
+    assert_pair_matches_one_instance(single, prefill, decode, seed=26)
     assert decode.engine.runner.kv_connector.worker.bytes_read > 0
     wait_pair_free(prefill, decode)
 
@@ -86,30 +77,7 @@ def test_a_killed_prefill_fails_the_next_request_alone(text_model, instances):
 def test_prefill_and_decode_over_nixl_in_two_network_namespaces(text_model, tmp_path):
     """P (its side channel on host 0's address) and the proxy on host 0, D on host 1, a client on host 0; UCX
     over TCP on the veth only. Namespaces of this test's own, so it cannot collide with the other pair tests."""
-    from netns import Hosts, in_namespace, two_hosts
+    from netns import Hosts
     hosts = Hosts(("pm-nixl0", "pm-nixl1"), ("pm-nxveth0", "pm-nxveth1"), ("10.213.9.1", "10.213.9.2"))
-    path, script = text_model[0], tmp_path / "client.py"
-    script.write_text(CLIENT)
-    prompts = make_prompts(3, seed=36, min_len=5, max_len=40)
-    with serve(path, num_kv_blocks=128) as single, two_hosts(hosts):
-        expected = [complete(single.url, p) for p in prompts]
-        ports = [free_port() for _ in range(3)]
-        producer = nixl("kv_producer", side_channel_host=hosts.addrs[0])
-        urls = [f"http://{hosts.addrs[0]}:{ports[0]}", f"http://{hosts.addrs[1]}:{ports[1]}",
-                f"http://{hosts.addrs[0]}:{ports[2]}"]
-        procs = [in_namespace(0, serve_command(path, ports[0], {"kv_transfer_config": producer})
-                              + ["--host", hosts.addrs[0]], hosts),
-                 in_namespace(1, serve_command(path, ports[1], {"kv_transfer_config": nixl("kv_consumer")})
-                              + ["--host", hosts.addrs[1]], hosts),
-                 in_namespace(0, [sys.executable, "-m", "pagedmoe", "router", "--prefill", urls[0], "--decode",
-                                  urls[1], "--host", hosts.addrs[0], "--port", str(ports[2])], hosts)]
-        try:
-            client = in_namespace(0, [sys.executable, "-c", WAIT_AND_RUN, str(script), json.dumps(prompts), urls[2],
-                                      urls[0], urls[1]], hosts, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            out, err = client.communicate(timeout=240)
-            assert client.returncode == 0, err[-3000:]
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait(10)
-    assert json.loads(out.strip().splitlines()[-1]) == expected
+    run_pair_in_namespaces(text_model[0], tmp_path, hosts, nixl("kv_producer", side_channel_host=hosts.addrs[0]),
+                           nixl("kv_consumer"), seed=36)
