@@ -83,7 +83,8 @@ def storage_bandwidth(cache: torch.Tensor, load: KVLoad) -> dict:
 
 def nixl_bandwidth(cache: torch.Tensor, load: KVLoad) -> dict:
     """One agent reads the other's blocks (UCX, loopback) through the connector's own handshake and read path."""
-    producer, consumer = (NixlConnector(KVTransferConfig("NixlConnector", role)) for role in ("kv_producer", "kv_consumer"))
+    producer, consumer = (NixlConnector(KVTransferConfig("NixlConnector", role))
+                          for role in ("kv_producer", "kv_consumer"))
     local = torch.zeros_like(cache)
     producer.register_kv_caches(cache, 16)
     consumer.register_kv_caches(local, 16)

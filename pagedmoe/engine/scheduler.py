@@ -112,7 +112,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._wants_remote_kv(seq):
                 if not self._admit_with_remote_kv(seq):
@@ -131,6 +131,9 @@ class Scheduler:
                 self.kv.record_prefix_lookup(len(seq), cached)
             budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
         return budget
+
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.waiting_for_remote_kvs)
 
     def _wants_remote_kv(self, seq: Sequence) -> bool:
         return (self.connector is not None and not seq.block_table and seq.num_output_tokens == 0

@@ -124,7 +124,8 @@ def test_separate_processes_and_a_killed_prefill(text_model, tmp_path):
     request and ends with no block in use; once the prefill process is killed, requests get a 502 at once."""
     store, path = tmp_path / "kv", text_model[0]
     prompts = make_prompts(4, seed=14, min_len=5, max_len=50)
-    with serve(path, num_kv_blocks=128) as single, server_process(path, connector("kv_producer", store)) as (prefill, p_proc), \
+    with serve(path, num_kv_blocks=128) as single, \
+            server_process(path, connector("kv_producer", store)) as (prefill, p_proc), \
             server_process(path, connector("kv_consumer", store)) as (decode, _), \
             router_in_thread(DisaggregatedRouter(prefill, decode)) as url:
         expected = [complete(single.url, p) for p in prompts]

@@ -45,7 +45,8 @@ def test_prefill_then_decode_over_nixl_matches_one_instance(instances):
 def test_the_prefill_answer_carries_vllm_nixl_params(instances):
     _, prefill, decode = instances
     body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    params = httpx.post(f"{prefill.url}/v1/completions", json=body, headers=HEADERS, timeout=30).json()["kv_transfer_params"]
+    answer = httpx.post(f"{prefill.url}/v1/completions", json=body, headers=HEADERS, timeout=30)
+    params = answer.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == prefill.engine.config.kv_transfer_config.engine_id and params["tp_size"] == 1
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", prefill.engine.connector.port)
