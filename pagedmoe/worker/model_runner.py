@@ -56,7 +56,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config, self.device = config, torch.device(config.device)
         self.rank = rank or RankInfo(0, config.world_size)
-        self.executor = self._start_ranks()
+        self.executor, self.kv_connector = self._start_ranks(), None
         try:
             self._build(config)
         except BaseException:
@@ -101,6 +101,8 @@ class ModelRunner:
         if connector is not None and self.layer_slots is not None:
             raise ValueError("kv_transfer_config: sliding-window KV (hybrid layout) is not handed off yet; "
                              "use --disable-hybrid-kv-cache-manager")
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache.device_cache, config.block_size)
         return connector
 
     def _eplb_state(self, config: EngineConfig):
@@ -139,6 +141,8 @@ class ModelRunner:
     def shutdown(self):
         if self.executor is not None:
             self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
         if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
