@@ -1,11 +1,11 @@
 """`pagedmoe bench offload --model DIR`: the all-resident engine, then the same model with its routed experts
-offloaded (`--expert-cache-memory`) at each --budgets fraction of its expert bytes, with and without the
-next-layer prefetch (each --prefetch mode), one after another in one process: decode tokens/s at each batch size (best of --iters),
+offloaded (`--expert-cache-memory`) at each --budgets fraction of its expert bytes, with each next-layer
+prefetch mode (--prefetch), all loaded in one process and run in rounds (each round: the same batch on every
+engine in turn, so drift hits all alike): decode tokens/s at each batch size (best of --iters rounds),
 the expert cache's hit rate, the prefetch's accuracy and the bytes read from the checkpoint per generated token
 (prefill steps included). Prompts: random token ids, or with --text FILE, passages of that text (for the
 bundled model: its own routing on the corpus it was trained on)."""
 import argparse
-import gc
 import json
 import random
 
@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from pagedmoe.bench.latency import batch_figures, run_batch
 from pagedmoe.bench.workload import BenchRequest
+from pagedmoe.config import EngineConfig
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.layers.moe.offload.store import expert_refs
 from pagedmoe.llm import LLM
@@ -44,12 +45,9 @@ class Prompts:
         return [BenchRequest(self.ids[s:s + n], self.args.output_len) for s in starts]
 
 
-def decode_tok_s(llm: LLM, prompts: Prompts, batch_size: int, iters: int) -> float:
-    best = 0.0
-    for i in range(iters):
-        figures = batch_figures(*run_batch(llm, prompts.batch(batch_size, 1000 * batch_size + i), None))
-        best = max(best, batch_size * figures["num_decode_steps"] / figures["decode_s"])
-    return best
+def decode_tok_s(llm: LLM, batch: list[BenchRequest]) -> float:
+    figures = batch_figures(*run_batch(llm, batch, None))
+    return len(batch) * figures["num_decode_steps"] / figures["decode_s"]
 
 
 def cache_counters(llm: LLM) -> tuple:
@@ -61,19 +59,31 @@ def cache_counters(llm: LLM) -> tuple:
             stats.num_generation_tokens)
 
 
-def bench_config(args, prompts: Prompts, fraction: float | None, prefetch: str, expert_bytes: int) -> dict:
-    budget = None if fraction is None else int(fraction * expert_bytes)
-    llm = LLM(args.model, dtype=args.dtype, expert_cache_memory=budget, expert_prefetch=prefetch)
-    run_batch(llm, prompts.batch(2, 99)[:2], None)  # warm-up
-    before = cache_counters(llm)
-    decode = {b: decode_tok_s(llm, prompts, b, args.iters) for b in args.batch_sizes}
-    hits, misses, loaded, predicted, correct, tokens = (a - b for a, b in zip(cache_counters(llm), before))
-    row = {"budget_fraction": fraction, "budget_bytes": budget, "prefetch": prefetch, "decode_tok_s": decode,
-           "hit_rate": hits / max(hits + misses, 1), "prefetch_accuracy": correct / max(predicted, 1),
-           "bytes_read_per_token": loaded / max(tokens, 1)}
-    del llm
-    gc.collect()
-    return row
+def load_engine(args, prompts: "Prompts", budget: int | None, prefetch: str) -> LLM:
+    num_blocks = max(args.batch_sizes) * -(-(args.input_len + args.output_len) // 16) + 16
+    llm = LLM(args.model, dtype=args.dtype, expert_cache_memory=budget, expert_prefetch=prefetch,
+              num_kv_blocks=num_blocks)
+    run_batch(llm, prompts.batch(2, 99), None)  # warm-up
+    return llm
+
+
+def bench_rounds(engines: dict, prompts: "Prompts", args) -> dict:
+    """Each round runs the same batch on every engine in turn, so a host whose speed drifts slows all alike;
+    each engine's best round per batch size, and its counters over all rounds."""
+    before = {name: cache_counters(llm) for name, llm in engines.items()}
+    best = {name: dict.fromkeys(args.batch_sizes, 0.0) for name in engines}
+    for i in range(args.iters):
+        for size in args.batch_sizes:
+            batch = prompts.batch(size, 1000 * size + i)
+            for name, llm in engines.items():
+                best[name][size] = max(best[name][size], decode_tok_s(llm, batch))
+    return {name: row_of(best[name], before[name], cache_counters(llm)) for name, llm in engines.items()}
+
+
+def row_of(decode: dict, before: tuple, after: tuple) -> dict:
+    hits, misses, loaded, predicted, correct, tokens = (a - b for a, b in zip(after, before))
+    return {"decode_tok_s": decode, "hit_rate": hits / max(hits + misses, 1),
+            "prefetch_accuracy": correct / max(predicted, 1), "bytes_read_per_token": loaded / max(tokens, 1)}
 
 
 def format_lines(result: dict) -> list[str]:
@@ -113,15 +123,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    probe = LLM(args.model, dtype=args.dtype, expert_cache_memory=1 << 62)  # every expert fits: nothing read yet
-    dtype, vocab_size = probe.engine.config.torch_dtype, probe.engine.config.hf_config.vocab_size
-    del probe
+    config = EngineConfig(args.model, dtype=args.dtype)
+    dtype, vocab_size = config.torch_dtype, config.hf_config.vocab_size
     expert_bytes, prompts = total_expert_bytes(args.model, dtype), Prompts(args, vocab_size)
     configs = ([] if args.no_resident else [(None, "off")]) + [(f, p) for f in args.budgets for p in args.prefetch]
+    engines = {config: load_engine(args, prompts, None if config[0] is None else int(config[0] * expert_bytes),
+                                   config[1]) for config in configs}
+    rows = bench_rounds(engines, prompts, args)
     result = {"machine": describe_cpu(), "threads": torch.get_num_threads(), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "expert_bytes": expert_bytes,
               "batch_sizes": args.batch_sizes, "text": args.text,
-              "rows": [bench_config(args, prompts, f, p, expert_bytes) for f, p in configs]}
+              "rows": [{"budget_fraction": f, "budget_bytes": None if f is None else int(f * expert_bytes),
+                        "prefetch": p} | rows[(f, p)] for f, p in configs]}
     print("\n".join(format_lines(result)))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -97,12 +97,14 @@ class ExpertCache:
         return run_expert
 
     def kernel_forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        out = None
         for wave in self.waves(self.resident_first(torch.unique(topk_ids).tolist())):
-            lookup = torch.full((self.source.num_experts,), -1, dtype=torch.int64)
-            lookup[wave] = torch.tensor([self.slot_of[e] for e in wave])
-            out += self.kernel_rows(x, topk_weights, lookup[topk_ids])
-        return out
+            lookup = [-1] * self.source.num_experts
+            for expert in wave:
+                lookup[expert] = self.slot_of[expert]
+            part = self.kernel_rows(x, topk_weights, torch.tensor(lookup)[topk_ids])
+            out = part if out is None else out.add_(part)
+        return out if out is not None else torch.zeros(x.shape, dtype=torch.float32)
 
     def waves(self, experts: list[int]):
         """experts (resident first) in groups of at most num_slots, each made resident before it is yielded."""

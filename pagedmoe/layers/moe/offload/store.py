@@ -4,6 +4,7 @@ import json
 import os
 import re
 import struct
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,19 @@ EXPERT_WEIGHT = re.compile(r"(^|\.)experts\.(\d+\.(w1|w2|w3|gate_proj|up_proj|do
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
+class CheckpointFile:
+    """A safetensors file, opened once for every read of its experts; closed when nothing refers to it."""
+
+    def __init__(self, path: str):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+
 @dataclass(frozen=True)
 class ExpertWeightRef:
     """A checkpoint tensor left on disk: its file, the offset of its first byte, dtype and shape."""
     name: str
-    path: str
+    file: CheckpointFile
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -34,40 +43,32 @@ class ExpertWeightRef:
         nbytes = out.numel() * out.element_size()
         if index is not None and not 0 <= index < self.shape[0]:
             raise ValueError(f"{self.name}: expert {index} out of range for {self.shape[0]}")
-        read_exactly(self.path, self.offset + (index or 0) * nbytes, out)
+        read_exactly(self.file, self.offset + (index or 0) * nbytes, out)
         return out
 
     def advise(self, index: int | None = None):
         """Asks the kernel to read the tensor (or its index-th slice) into the page cache, asynchronously."""
         nbytes = self.numel() * self.dtype.itemsize // (1 if index is None else self.shape[0])
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, self.offset + (index or 0) * nbytes, nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+        os.posix_fadvise(self.file.fd, self.offset + (index or 0) * nbytes, nbytes, os.POSIX_FADV_WILLNEED)
 
     def read_into(self, dst: Tensor):
         """Reads the tensor into dst, converting its dtype where they differ."""
         if tuple(dst.shape) != self.shape:
             raise ValueError(f"{self.name}: expected shape {tuple(dst.shape)}, got {self.shape}")
         if dst.dtype == self.dtype and dst.is_contiguous() and dst.device.type == "cpu":
-            read_exactly(self.path, self.offset, dst)
+            read_exactly(self.file, self.offset, dst)
         else:
             dst.copy_(self.read())
 
 
-def read_exactly(path: str, offset: int, dst: Tensor):
+def read_exactly(file: CheckpointFile, offset: int, dst: Tensor):
     view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            num_read = os.preadv(fd, [view[done:]], offset + done)
-            if num_read <= 0:
-                raise ValueError(f"{path}: ends before byte {offset + len(view)}")
-            done += num_read
-    finally:
-        os.close(fd)
+    done = 0
+    while done < len(view):
+        num_read = os.preadv(file.fd, [view[done:]], offset + done)
+        if num_read <= 0:
+            raise ValueError(f"{file.path}: ends before byte {offset + len(view)}")
+        done += num_read
 
 
 def expert_refs(path: str) -> dict[str, ExpertWeightRef]:
@@ -77,7 +78,8 @@ def expert_refs(path: str) -> dict[str, ExpertWeightRef]:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
-    return {name: ExpertWeightRef(name, path, 8 + header_len + info["data_offsets"][0],
+    file = CheckpointFile(path)
+    return {name: ExpertWeightRef(name, file, 8 + header_len + info["data_offsets"][0],
                                   _dtype(name, info["dtype"]), tuple(info["shape"]))
             for name, info in header.items() if is_expert_weight(name)}
 
