@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass
@@ -19,6 +20,7 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"  # a remote KV that does not load: compute the prompt here, or fail
 
     @property
     def is_producer(self) -> bool:
@@ -39,6 +41,9 @@ def parse_kv_transfer_config(value) -> KVTransferConfig | None:
         raise ValueError(f"kv_transfer_config must be a JSON object of vLLM's fields: {error}") from None
     if config.kv_role not in ROLES:
         raise ValueError(f"kv_transfer_config.kv_role must be one of {ROLES}, got {config.kv_role!r}")
+    if config.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+        raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, "
+                         f"got {config.kv_load_failure_policy!r}")
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"kv_transfer_config.kv_connector must be one of {sorted(CONNECTORS)}, "
                          f"got {config.kv_connector!r}")
