@@ -181,7 +181,7 @@ class Scheduler:
     def recompute_failed_loads(self, failed_loads: dict) -> dict:
         """kv_load_failure_policy "recompute": a request whose remote KV did not load prefills here instead
         (its blocks, never cached, are freed); returns the failures left to fail (policy "fail": all)."""
-        if self.connector.config.kv_load_failure_policy != "recompute":
+        if not failed_loads or self.connector.config.kv_load_failure_policy != "recompute":
             return failed_loads
         for seq in [s for s in (*self.running, *self.waiting_for_remote_kvs) if s.request.request_id in failed_loads]:
             logger.warning("kv_transfer: request %s's remote KV did not load (%s); it prefills here",

@@ -17,8 +17,9 @@ from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
 pytest.importorskip("nixl_cu12")
 
 
-def nixl(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra})
+def nixl(role: str, policy: str = "fail", **extra) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": policy,
+                       "kv_connector_extra_config": extra})
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,28 @@ def test_a_killed_prefill_fails_the_next_request_alone(text_model, instances):
     assert failed.status_code == 500 and "kv_transfer" in failed.text
     assert complete(decode.url, prompts[2]) == complete(single.url, prompts[2])
     wait_all_blocks_free(decode)
+
+
+def test_a_killed_prefill_is_recomputed_under_policy_recompute(text_model, instances):
+    """As above, with a decode server whose kv_load_failure_policy is "recompute": the read finds no peer and the
+    decode server computes the whole prompt itself, giving one instance's text; its pool ends free."""
+    single = instances[0]
+    prompts = make_prompts(2, seed=29, min_len=20, max_len=50)
+    with serve(text_model[0], num_kv_blocks=128, kv_transfer_config=nixl("kv_consumer", "recompute")) as decode:
+        with server_process(text_model[0], nixl("kv_producer")) as (prefill, p_proc):
+            with router_in_thread(DisaggregatedRouter(prefill, decode.url)) as url:
+                assert complete(url, prompts[0], model=None) == complete(single.url, prompts[0])
+            body = {"prompt": prompts[1], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            params = httpx.post(f"{prefill}/v1/completions", json=body, timeout=30).json()["kv_transfer_params"]
+            p_proc.kill()
+            p_proc.wait(10)
+        before = decode.engine.num_prompt_tokens
+        body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "kv_transfer_params": params}
+        answer = httpx.post(f"{decode.url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == complete(single.url, prompts[1])
+        assert decode.engine.num_prompt_tokens - before == len(prompts[1])
+        wait_all_blocks_free(decode)
 
 
 def test_prefill_and_decode_over_nixl_in_two_network_namespaces(text_model, tmp_path):
