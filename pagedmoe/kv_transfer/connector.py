@@ -4,7 +4,11 @@
 token. Scheduler side: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 request_finished, before_free, update_connector_output. Worker side: register_kv_caches, start_load_kv, save_kv,
 get_finished. A connector whose loads are async (load_kv_async) leaves its requests waiting for remote KV
-until get_finished reports their reads."""
+until get_finished reports their reads. vLLM's layer-wise worker hooks (wait_for_layer_load, save_kv_layer,
+wait_for_save) are left out: both connectors move whole requests (a load ends before the forward, or the
+request waits for its read; a save copies the blocks before they are freed), so nothing would wait on them.
+A load that fails: kv_transfer_config.kv_load_failure_policy ("fail", or "recompute": the prompt is computed
+here; Scheduler.recompute_failed_loads)."""
 import json
 import uuid
 from dataclasses import dataclass, field
