@@ -2,6 +2,7 @@
 stored KV that is unreadable, or gone by the time it is loaded, fails its request under "fail" (vLLM's default)
 and is computed by the decode engine under "recompute", with one instance's greedy tokens. Either way the
 pool ends free and the blocks the load was to fill never serve a prefix-cache hit."""
+import contextlib
 import os
 
 import pytest
@@ -17,6 +18,15 @@ def storage_engine(path: str, store, role: str, **config) -> LLMEngine:
     config |= {"kv_connector": "SharedStorageConnector", "kv_role": role,
                "kv_connector_extra_config": {"shared_storage_path": str(store)}}
     return LLMEngine.from_engine_args(path, dtype="float32", num_kv_blocks=64, kv_transfer_config=config)
+
+
+@contextlib.contextmanager
+def decode_engine(path: str, store, **config):
+    engine = storage_engine(path, store, "kv_consumer", **config)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 def params(kv_transfer_params: dict | None = None, max_tokens: int = OUTPUT_LEN) -> SamplingParams:
@@ -70,10 +80,9 @@ def remove_at_load(path: str, consumer: LLMEngine):
 
 @pytest.mark.parametrize("break_kv", [corrupt, remove_at_load])
 def test_recompute_computes_the_prompt_when_the_stored_kv_does_not_load(text_model, store, producer, break_kv):
-    consumer = storage_engine(text_model[0], store, "kv_consumer", kv_load_failure_policy="recompute")
-    try:
-        prompt = make_prompts(1, seed=71, min_len=45, max_len=45)[0]
-        expected = run_one(producer, "ref", prompt, params()).outputs[0].token_ids
+    prompt = make_prompts(1, seed=71, min_len=45, max_len=45)[0]
+    expected = run_one(producer, "ref", prompt, params()).outputs[0].token_ids
+    with decode_engine(text_model[0], store, kv_load_failure_policy="recompute") as consumer:
         break_kv(stored_kv_file(producer, prompt), consumer)
         before = consumer.num_prompt_tokens
         out = run_one(consumer, "d", prompt, params({"do_remote_prefill": True}))
@@ -81,36 +90,28 @@ def test_recompute_computes_the_prompt_when_the_stored_kv_does_not_load(text_mod
         assert out.num_cached_tokens == 0  # no hit on the blocks the failed load was to fill
         assert consumer.num_prompt_tokens - before == len(prompt)  # the whole prompt computed here
         assert_all_blocks_free(consumer)
-    finally:
-        consumer.shutdown()
 
 
 def test_fail_fails_the_request_and_caches_none_of_its_blocks(text_model, store, producer):
-    consumer = storage_engine(text_model[0], store, "kv_consumer")
-    try:
-        prompt = make_prompts(1, seed=73, min_len=50, max_len=50)[0]
-        expected = run_one(producer, "ref", prompt, params()).outputs[0].token_ids
+    prompt = make_prompts(1, seed=73, min_len=50, max_len=50)[0]
+    expected = run_one(producer, "ref", prompt, params()).outputs[0].token_ids
+    with decode_engine(text_model[0], store) as consumer:
         corrupt(stored_kv_file(producer, prompt), consumer)
         failed = run_one(consumer, "d", prompt, params({"do_remote_prefill": True}))
         assert failed.outputs[0].finish_reason == "error" and "SafetensorError" in failed.error
         assert_all_blocks_free(consumer)
         again = run_one(consumer, "again", prompt, params())
         assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == expected
-    finally:
-        consumer.shutdown()
 
 
 def test_a_loaded_kv_is_cached_once_it_is_there(text_model, store, producer):
     """delay_cache does not lose the loaded blocks: a later request with the same prompt hits them."""
-    consumer = storage_engine(text_model[0], store, "kv_consumer")
-    try:
-        prompt = make_prompts(1, seed=75, min_len=50, max_len=50)[0]
-        stored_kv_file(producer, prompt)
+    prompt = make_prompts(1, seed=75, min_len=50, max_len=50)[0]
+    stored_kv_file(producer, prompt)
+    with decode_engine(text_model[0], store) as consumer:
         first = run_one(consumer, "d", prompt, params({"do_remote_prefill": True}))
         again = run_one(consumer, "again", prompt, params())
         assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    finally:
-        consumer.shutdown()
 
 
 def test_a_bad_policy_names_the_field(text_model, store):
