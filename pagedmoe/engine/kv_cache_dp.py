@@ -72,8 +72,8 @@ class DataParallelKVManager:
 
 
 def _routed(name: str):
-    def method(self, seq: Sequence, *args):
-        return getattr(self.of(seq), name)(seq, *args)
+    def method(self, seq: Sequence, *args, **kwargs):
+        return getattr(self.of(seq), name)(seq, *args, **kwargs)
     method.__name__ = name
     return method
 

@@ -108,7 +108,10 @@ class KVCacheManager:
             num_slots = max(num_slots, min(num_slots + self.num_lookahead_tokens, last))
         return num_slots
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = (),
+                       delay_cache: bool = False) -> bool:
+        """delay_cache (vLLM's delay_cache_blocks): the blocks join the prefix cache at a later allocation, not
+        now; for blocks a KV connector loads into, which hold no KV until the load succeeds."""
         if hits and not self._take_cached(seq, num_new_tokens, hits):
             return False
         if self.static_reserve is not None and not seq.block_table and not self._reserve(seq):
@@ -117,7 +120,8 @@ class KVCacheManager:
         if self.num_blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
             return False
         self._grow_tables(seq, num_new_tokens)
-        self._cache_full_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, len(seq)))  # no draft token
+        if not delay_cache:
+            self._cache_full_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, len(seq)))  # no draft token
         return True
 
     def _grow_tables(self, seq: Sequence, num_new_tokens: int):

@@ -265,7 +265,8 @@ class LLMEngine:
         return self._fail_loads(failed_loads)
 
     def _fail_loads(self, failed_loads: dict) -> list[RequestOutput]:
-        """Policy "fail" (vLLM's default kv_load_failure_policy): a request whose remote KV did not load fails."""
+        """A request whose remote KV did not load fails, unless kv_load_failure_policy is "recompute"."""
+        failed_loads = self.scheduler.recompute_failed_loads(failed_loads)
         failed = {rid: (self.requests[rid], error) for rid, error in failed_loads.items() if rid in self.requests}
         self._fail(failed)
         return [self._make_output(request, time.time()) for request, _ in failed.values()]

@@ -1,9 +1,12 @@
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.kv_cache_manager import BlockTransfers, KVCacheManager
 from pagedmoe.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,12 +96,16 @@ class Scheduler:
             self.swapped.appendleft(seq)
             self.num_preemptions["swap"] += 1
             return
+        self._requeue(seq)
+        self.num_preemptions["recompute"] += 1
+
+    def _requeue(self, seq: Sequence):
+        """seq computes again from its first token: its blocks freed, it waits at the front of the queue."""
         self.kv.free(seq)
         seq.num_computed_tokens = seq.num_drafter_tokens = seq.drafter_start = 0
         seq.spec_hidden = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions["recompute"] += 1
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -144,7 +151,7 @@ class Scheduler:
         """Blocks for the whole prompt, the KV of all but its last token loaded into them (the connector
         queues the load for this step's worker): the step computes one token."""
         num_external = self.connector.get_num_new_matched_tokens(seq)
-        if not self.kv.allocate_slots(seq, len(seq)):
+        if not self.kv.allocate_slots(seq, len(seq), delay_cache=True):  # cached once they hold the KV
             return False
         seq.num_computed_tokens = num_external
         seq.request.num_cached_tokens = num_external
@@ -170,6 +177,19 @@ class Scheduler:
             self.running.append(seq)
         self.connector.update_connector_output(output, self.kv)
         return output.failed_recving
+
+    def recompute_failed_loads(self, failed_loads: dict) -> dict:
+        """kv_load_failure_policy "recompute": a request whose remote KV did not load prefills here instead
+        (its blocks, never cached, are freed); returns the failures left to fail (policy "fail": all)."""
+        if not failed_loads or self.connector.config.kv_load_failure_policy != "recompute":
+            return failed_loads
+        for seq in [s for s in (*self.running, *self.waiting_for_remote_kvs) if s.request.request_id in failed_loads]:
+            logger.warning("kv_transfer: request %s's remote KV did not load (%s); it prefills here",
+                           seq.request.request_id, failed_loads[seq.request.request_id])
+            self._remove(seq)
+            seq.request.kv_transfer_params, seq.request.num_cached_tokens = None, None
+            self._requeue(seq)
+        return {}
 
     def _start_running(self, seq: Sequence, num_new: int, out: SchedulerOutput, budget: int) -> int:
         seq.status = SequenceStatus.RUNNING

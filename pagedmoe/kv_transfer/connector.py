@@ -4,12 +4,17 @@
 token. Scheduler side: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 request_finished, before_free, update_connector_output. Worker side: register_kv_caches, start_load_kv, save_kv,
 get_finished. A connector whose loads are async (load_kv_async) leaves its requests waiting for remote KV
-until get_finished reports their reads."""
+until get_finished reports their reads. vLLM's layer-wise worker hooks (wait_for_layer_load, save_kv_layer,
+wait_for_save) are left out: both connectors move whole requests (a load ends before the forward, or the
+request waits for its read; a save copies the blocks before they are freed), so nothing would wait on them.
+A load that fails: kv_transfer_config.kv_load_failure_policy ("fail", or "recompute": the prompt is computed
+here; Scheduler.recompute_failed_loads)."""
 import json
 import uuid
 from dataclasses import dataclass, field
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass
@@ -19,6 +24,7 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"  # a remote KV that does not load: compute the prompt here, or fail
 
     @property
     def is_producer(self) -> bool:
@@ -39,6 +45,9 @@ def parse_kv_transfer_config(value) -> KVTransferConfig | None:
         raise ValueError(f"kv_transfer_config must be a JSON object of vLLM's fields: {error}") from None
     if config.kv_role not in ROLES:
         raise ValueError(f"kv_transfer_config.kv_role must be one of {ROLES}, got {config.kv_role!r}")
+    if config.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+        raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, "
+                         f"got {config.kv_load_failure_policy!r}")
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"kv_transfer_config.kv_connector must be one of {sorted(CONNECTORS)}, "
                          f"got {config.kv_connector!r}")

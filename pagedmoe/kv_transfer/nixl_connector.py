@@ -25,6 +25,7 @@ FIELD = "kv_transfer_config.kv_connector_extra_config"
 class Lease:
     """Holds a finished sequence's blocks (a fork of its block table: one more reference on each block)."""
     expires: float
+    owner: object = None  # the Request: a request with n > 1 holds one lease per sequence, ended together
     dp_rank: int | None = None
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)
@@ -32,7 +33,7 @@ class Lease:
 
 
 def take_lease(seq, kv, expires: float = float("inf")) -> Lease:
-    lease = Lease(expires, seq.dp_rank)
+    lease = Lease(expires, seq.request, seq.dp_rank)
     kv.fork(seq, lease)
     return lease
 
@@ -126,8 +127,10 @@ class NixlConnector(KVConnector):
         self._expire_leases(kv)
 
     def _end_lease(self, request_id: str, kv):
-        leases = self.leases.get(request_id)
-        if leases:
+        """Frees the leases of the oldest request under request_id (every sequence's, where n > 1)."""
+        leases = self.leases.get(request_id, [])
+        owner = leases[0].owner if leases else None
+        while leases and leases[0].owner is owner:
             kv.free(leases.pop(0))
         if not leases:
             self.leases.pop(request_id, None)

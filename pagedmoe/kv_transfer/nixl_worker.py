@@ -123,6 +123,7 @@ class NixlWorker:
             except Exception as error:  # the peer gone, a refused handshake, a failed read: this request only
                 out.failed_recving[request_id] = error
                 self._drop(request_id)
+                self._release_lease(read.load)
         self.handshakes = {e: f for e, f in self.handshakes.items() if not (f.done() and f.exception())}
 
     def _advance(self, read: Read) -> bool:
@@ -199,6 +200,18 @@ class NixlWorker:
             raise RuntimeError(f"kv_transfer: the NIXL read from engine {load.remote['remote_engine_id']} could "
                                f"not be posted ({posted})")
         return handle
+
+    def _release_lease(self, load: KVLoad):
+        """A failed read from a peer still reachable (its transfers did not fail: bad block ids, say): the bare
+        notification frees its lease now rather than at its timeout."""
+        remote = self.remotes.get(load.remote["remote_engine_id"])
+        if remote is None:
+            return
+        try:
+            self.agent.send_notif(remote.agent_name, load.key.encode())
+        except Exception as error:
+            logger.warning("kv_transfer: could not release request %s's lease at engine %s: %s", load.key,
+                           load.remote["remote_engine_id"], error)
 
     def _drop(self, request_id: str):
         read = self.reads.pop(request_id, None)

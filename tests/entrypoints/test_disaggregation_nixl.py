@@ -17,8 +17,9 @@ from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
 pytest.importorskip("nixl_cu12")
 
 
-def nixl(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra})
+def nixl(role: str, policy: str = "fail", **extra) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": policy,
+                       "kv_connector_extra_config": extra})
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +57,46 @@ def test_the_prefill_answer_carries_vllm_nixl_params(instances):
     wait_pair_free(prefill, decode)
 
 
-def test_a_killed_prefill_fails_the_next_request_alone(text_model, instances):
-    """The decode server has read from this prefill process before (its handshake is cached); the process is
-    killed after answering a second prompt, so that prompt's read finds no peer."""
-    single, _, decode = instances
-    prompts = make_prompts(3, seed=28, min_len=10, max_len=50)
-    with server_process(text_model[0], nixl("kv_producer")) as (prefill, p_proc):
+def params_of_a_killed_prefill(path: str, single, decode, prompts: list[list[int]]) -> dict:
+    """A prefill process that decode has read prompts[0] from (its handshake cached), killed after answering
+    prompts[1]: the kv_transfer_params of that answer, whose read finds no peer."""
+    with server_process(path, nixl("kv_producer")) as (prefill, p_proc):
         with router_in_thread(DisaggregatedRouter(prefill, decode.url)) as url:
             assert complete(url, prompts[0], model=None) == complete(single.url, prompts[0])
         body = {"prompt": prompts[1], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         params = httpx.post(f"{prefill}/v1/completions", json=body, timeout=30).json()["kv_transfer_params"]
         p_proc.kill()
         p_proc.wait(10)
+    return params
+
+
+def test_a_killed_prefill_fails_the_next_request_alone(text_model, instances):
+    """The decode server has read from this prefill process before (its handshake is cached); the process is
+    killed after answering a second prompt, so that prompt's read finds no peer."""
+    single, _, decode = instances
+    prompts = make_prompts(3, seed=28, min_len=10, max_len=50)
+    params = params_of_a_killed_prefill(text_model[0], single, decode, prompts)
     body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 4, "kv_transfer_params": params}
     failed = httpx.post(f"{decode.url}/v1/completions", json=body, headers=HEADERS, timeout=60)
     assert failed.status_code == 500 and "kv_transfer" in failed.text
     assert complete(decode.url, prompts[2]) == complete(single.url, prompts[2])
     wait_all_blocks_free(decode)
+
+
+def test_a_killed_prefill_is_recomputed_under_policy_recompute(text_model, instances):
+    """As above, with a decode server whose kv_load_failure_policy is "recompute": the read finds no peer and the
+    decode server computes the whole prompt itself, giving one instance's text; its pool ends free."""
+    single = instances[0]
+    prompts = make_prompts(2, seed=29, min_len=20, max_len=50)
+    with serve(text_model[0], num_kv_blocks=128, kv_transfer_config=nixl("kv_consumer", "recompute")) as decode:
+        params = params_of_a_killed_prefill(text_model[0], single, decode, prompts)
+        before = decode.engine.num_prompt_tokens
+        body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "kv_transfer_params": params}
+        answer = httpx.post(f"{decode.url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == complete(single.url, prompts[1])
+        assert decode.engine.num_prompt_tokens - before == len(prompts[1])
+        wait_all_blocks_free(decode)
 
 
 def test_prefill_and_decode_over_nixl_in_two_network_namespaces(text_model, tmp_path):

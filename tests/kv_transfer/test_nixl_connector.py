@@ -165,3 +165,64 @@ def test_an_aborted_prefill_request_takes_no_lease(text_model):
         assert_all_blocks_free(producer)
     finally:
         producer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def recomputing(text_model):
+    """A decode engine with kv_load_failure_policy "recompute"."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"handshake_timeout": 2}}
+    consumer = LLMEngine.from_engine_args(text_model[0], dtype="float32", num_kv_blocks=64, kv_transfer_config=config)
+    yield consumer
+    consumer.shutdown()
+
+
+def test_recompute_computes_the_prompt_when_the_prefill_is_unreachable(pair, recomputing):
+    prompt = make_prompts(1, seed=81, min_len=40, max_len=40)[0]
+    expected = greedy(pair[0], [prompt])
+    gone = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_host": "127.0.0.1", "remote_port": 9,
+            "remote_block_ids": [0, 1, 2], "remote_request_id": "x"}
+    before = recomputing.num_prompt_tokens
+    recomputing.add_request("lost", {"prompt_token_ids": prompt}, params(gone))
+    out = run([recomputing], lambda done: "lost" in done)["lost"]
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == expected[0]
+    assert recomputing.num_prompt_tokens - before == len(prompt)
+    wait_free([recomputing])
+
+
+def test_recompute_after_a_failed_read_never_hits_its_blocks(pair, recomputing):
+    """The read fails after its blocks were allocated (the prefill engine's blocks named wrongly): the prompt is
+    computed here from scratch, no prefix-cache hit on the blocks the read was to fill; the prefill engine's
+    lease is released at once by a notification (it is still reachable), not at its timeout."""
+    producer, _ = pair
+    prompt = make_prompts(1, seed=83, min_len=50, max_len=50)[0]
+    expected = greedy(producer, [prompt])
+    kv_params = prefill(producer, "pr", prompt) | {"remote_block_ids": [10 ** 6] * 8}
+    recomputing.add_request("bad-ids", {"prompt_token_ids": prompt}, params(kv_params))
+    out = run([recomputing, producer], lambda done: "bad-ids" in done)["bad-ids"]
+    assert out.outputs[0].token_ids == expected[0] and out.num_cached_tokens == 0
+    wait_free([producer, recomputing])
+
+
+def test_a_failed_read_from_a_live_prefill_releases_its_lease(pair):
+    producer, consumer = pair
+    prompt = make_prompts(1, seed=85, min_len=30, max_len=30)[0]
+    kv_params = prefill(producer, "pb", prompt) | {"remote_block_ids": [10 ** 6] * 8}
+    consumer.add_request("bad", {"prompt_token_ids": prompt}, params(kv_params))
+    out = run([consumer, producer], lambda done: "bad" in done)["bad"]
+    assert out.outputs[0].finish_reason == "error" and "remote_block_ids" in out.error
+    wait_free([producer, consumer], timeout=10)  # the lease lasts 30 s unless released
+
+
+def test_a_prefill_with_n_sequences_is_released_by_one_read(pair):
+    producer, consumer = pair
+    prompt = make_prompts(1, seed=87, min_len=35, max_len=35)[0]
+    expected = greedy(producer, [prompt])
+    sampling = SamplingParams(n=2, max_tokens=1, temperature=0, extra_args={"kv_transfer_params":
+                                                                          {"do_remote_decode": True}})
+    producer.add_request("pn", {"prompt_token_ids": prompt}, sampling)
+    kv_params = run([producer], lambda done: "pn" in done)["pn"].kv_transfer_params
+    assert producer.connector.num_leases == 2  # one per sequence
+    consumer.add_request("dn", {"prompt_token_ids": prompt}, params(kv_params))
+    assert run([consumer, producer], lambda done: "dn" in done)["dn"].outputs[0].token_ids == expected[0]
+    wait_free([producer, consumer], timeout=10)
