@@ -17,6 +17,7 @@ from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
 from pagedmoe.spec_decode.proposer import make_drafter
 from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
+from pagedmoe.worker.backends import select_attention_backend
 from pagedmoe.worker.inputs import prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.logits_constraints import apply_logits_processors, grammar_bitmask, logit_bias
@@ -70,12 +71,16 @@ class ModelRunner:
             num_threads = config.num_threads or max(default_num_threads() // self.rank.world_size, 1)
             self.threads = ThreadGovernor(num_threads, config.adaptive_threads)
         self.model = prepare_model(config, self.rank)
+        self.triton_attention = select_attention_backend(config) == "triton"
         self.drafter = make_drafter(config, self.model)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.sliding_window, self.layer_slots = self._hybrid_kv_layout()
         self.num_kv_layers = max(self.layer_slots) + 1 if self.layer_slots else config.hf_config.num_hidden_layers
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.kv_cache = self._kv_storage(config)
+        if self.triton_attention:
+            from pagedmoe.layers.attention.triton_cache_ops import copy_blocks
+            self.kv_cache.copy_kernel = copy_blocks
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
         if self.drafter is not None:
@@ -136,7 +141,8 @@ class ModelRunner:
             self.executor.shutdown()
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
-        if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
+        if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1 \
+                or self.triton_attention:
             return None
         if self.config.torch_dtype not in ENTRY_POINTS:
             return None
@@ -318,7 +324,8 @@ class ModelRunner:
 
     def _inputs(self, token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]]):
         input_ids, positions, meta = prepare_inputs(token_lists, starts, block_tables, self.config.block_size,
-                                                    self.kv_cache.device_cache, self.workspace, self.decode_kernel)
+                                                    self.kv_cache.device_cache, self.workspace, self.decode_kernel,
+                                                    self.triton_attention)
         meta.layer_slots = self.layer_slots
         return input_ids, positions, meta
 

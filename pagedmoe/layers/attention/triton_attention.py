@@ -8,7 +8,7 @@ term of the denominator. K and V are addressed separately, so MLA's latent cache
 [latent | rope key], whose value is the latent) runs the same kernel."""
 import triton.language as tl
 
-from pagedmoe.layers.triton_utils import Kernel, dot_precision, next_power_of_2
+from pagedmoe.layers.triton_utils import Kernel
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 
