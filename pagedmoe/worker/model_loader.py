@@ -57,7 +57,8 @@ def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Modul
         try:
             if config.cpu_linear_kernel:
                 attach_cpu_kernels(model, {"linear"})
-            if config.cpu_moe_kernel and not triton_moe:  # at every size: one call for all experts beats a matmul per expert
+            # at every size: one call for all experts beats a matmul per expert
+            if config.cpu_moe_kernel and not triton_moe:
                 attach_cpu_kernels(model, {"moe"}, min_bytes=0)
         except RuntimeError as error:
             logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)

@@ -46,7 +46,8 @@ def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
     if rows.shape[0] == 0:
         return
     write_rows_kernel.on(cache.device)[(rows.shape[0], heads)](
-        rows, cache, slot_mapping, rows.stride(0), rows.stride(1), cache.stride(0), ROW=row, ROW_PAD=next_power_of_2(row))
+        rows, cache, slot_mapping, rows.stride(0), rows.stride(1), cache.stride(0), ROW=row,
+        ROW_PAD=next_power_of_2(row))
 
 
 def copy_blocks(cache: torch.Tensor, pairs: list[tuple[int, int]]):
