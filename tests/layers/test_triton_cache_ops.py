@@ -13,8 +13,8 @@ from pagedmoe.worker.kv_cache import _copy_blocks  # noqa: E402
        num_tokens=st.integers(1, 9), seed=st.integers(0, 1000))
 def test_write_kv_matches_index_copy_and_skips_padding_slots(heads, row, block_size, num_tokens, seed):
     torch.manual_seed(seed)
-    cache = torch.randn(heads, 6, block_size, row)
-    slots = torch.randperm(6 * block_size)[:num_tokens]
+    cache = torch.randn(heads, 10, block_size, row)  # at least one slot per token
+    slots = torch.randperm(10 * block_size)[:num_tokens]
     slots[torch.rand(num_tokens) < 0.3] = -1  # a CUDA graph's padding rows: never written
     rows = torch.randn(num_tokens, heads, row)
     expected = cache.clone()
