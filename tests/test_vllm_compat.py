@@ -10,6 +10,7 @@ from conftest import assert_all_blocks_free
 from pagedmoe import (DEFAULT_MODEL, LLM, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt)
 from pagedmoe.config import GIB
 from pagedmoe.engine_args import engine_config
+from pagedmoe.entrypoints.cli import build_parser, engine_kwargs
 from pagedmoe.logprobs import Logprob
 from pagedmoe.sampling_params import BeamSearchParams
 
@@ -50,6 +51,17 @@ def test_ignored_engine_args_log_one_line(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "trust_remote_code is ignored" in messages[0]
     assert config.enforce_eager  # a field now: it turns CUDA graphs off
+
+
+def test_gpu_path_flags_reach_the_config():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--gpu-memory-utilization", "0.5",
+                                      "--attention-backend", "triton", "--moe-backend", "torch", "--enforce-eager"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == dict(gpu_memory_utilization=0.5, attention_backend="triton", moe_backend="torch",
+                          enforce_eager=True)
+    config = engine_config(DEFAULT_MODEL, **kwargs)
+    assert config.kv_cache_memory_fraction == 0.5  # on CPU vLLM's flag sizes the KV pool from free memory
+    assert (config.attention_backend, config.moe_backend, config.enforce_eager) == ("triton", "torch", True)
 
 
 @pytest.mark.parametrize("args, field", [

@@ -22,7 +22,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, p
                      DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
                      PRECISION: tl.constexpr):
     seq, q_tile = tl.program_id(0) // num_q_tiles, tl.program_id(0) % num_q_tiles
-    kv_head, split = tl.program_id(1), tl.program_id(2)
+    kv_head, split = tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64: offsets in a large pool
     seq_len = tl.load(seq_lens_ptr + seq)
     query_len = tl.load(query_lens_ptr + seq)
     if q_tile * BLOCK_Q >= query_len:
@@ -53,7 +53,8 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, p
     for tile in range(tile_begin, tile_end):
         key_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_valid = key_pos < last_pos
-        block = tl.load(block_tables_ptr + seq * stride_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        block = tl.load(block_tables_ptr + seq * stride_table + key_pos // BLOCK_SIZE, mask=key_valid,
+                        other=0).to(tl.int64)
         k_off = kv_head * stride_kh + block * stride_kb + (key_pos % BLOCK_SIZE) * stride_ko
         k = tl.load(k_ptr + k_off[:, None] + offs_dk[None, :], mask=key_valid[:, None] & (offs_dk[None, :] < DK),
                     other=0.0)

@@ -11,7 +11,7 @@ def _write_rows(rows_ptr, cache_ptr, slot_mapping_ptr, stride_rt, stride_rh, str
                 ROW_PAD: tl.constexpr):
     """Program (token, head): rows[token, head] into the head's slot of a cache viewed [heads, slots, ROW];
     slot -1 (a CUDA graph's padding row) writes nothing."""
-    token, head = tl.program_id(0), tl.program_id(1)
+    token, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -23,7 +23,7 @@ def _write_rows(rows_ptr, cache_ptr, slot_mapping_ptr, stride_rt, stride_rh, str
 def _copy_blocks(cache_ptr, pairs_ptr, block_elems, stride_part, stride_block, CHUNK: tl.constexpr):
     """Program (pair, part, chunk): one chunk of block pairs[pair, 0] copied onto block pairs[pair, 1], in one
     part (layer x K/V tensor) of a cache viewed [parts, blocks, block_elems]."""
-    pair, part, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pair, part, chunk = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     src = tl.load(pairs_ptr + 2 * pair).to(tl.int64)
     dst = tl.load(pairs_ptr + 2 * pair + 1).to(tl.int64)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
