@@ -1,5 +1,5 @@
 """Issue 20's device checks, in one JSON file: every Triton kernel against the PyTorch path on the device
-(float32 and bf16), greedy tokens of CUDA graphs against eager, and decode's achieved memory bandwidth against
+(float32 and bf16; the KV write inside the attention checks), greedy tokens of CUDA graphs against eager, and decode's achieved memory bandwidth against
 the device's measured copy bandwidth.
 
     python scripts/gpu_check.py --out runs/gpu-bench/check.json [--models-dir runs/bench-models]
@@ -111,6 +111,18 @@ def moe_error(shape: dict, dtype, device) -> float:
     return max_error(got, expected) / max(expected.abs().max().item(), 1e-6)
 
 
+def copy_error(shape: dict, dtype, device) -> float:
+    """Copy-on-write block copies against the tensor copy (exact)."""
+    from pagedmoe.layers.attention.triton_cache_ops import copy_blocks
+    from pagedmoe.worker.kv_cache import _copy_blocks
+    cache = torch.randn(shape["layers"], 2, shape["blocks"], 16, 64, device=device).to(dtype)
+    pairs = [(i, shape["blocks"] - 1 - i) for i in range(shape["blocks"] // 4)]
+    expected = cache.clone()
+    _copy_blocks(expected, expected, pairs)
+    copy_blocks(cache, pairs)
+    return max_error(cache, expected)
+
+
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
@@ -130,6 +142,7 @@ def kernel_cases(small: bool) -> list[tuple[str, callable, dict]]:
                                        block=16, splits=2)),
         ("mla_prefill", mla_error, dict(query_lens=[12], seq_lens=[20 * scale], heads=16, latent=64, rope=16,
                                         block=16)),
+        ("copy_blocks", copy_error, dict(layers=2 * scale, blocks=8 * scale)),
         ("fused_moe_silu", moe_error, dict(experts=8, hidden=64 * scale, inter=32 * scale, tokens=5 * scale,
                                            activation="silu")),
         ("fused_moe_swigluoai", moe_error, dict(experts=8, hidden=64 * scale, inter=32 * scale, tokens=5 * scale,
@@ -147,13 +160,14 @@ def check_kernels(device: torch.device, small: bool) -> list[dict]:
     return results
 
 
-def greedy_tokens(model: str, enforce_eager: bool, backend: str) -> list[list[int]]:
+def greedy_tokens(model: str, enforce_eager: bool, backend: str) -> tuple[list[list[int]], bool]:
+    """The tokens, and whether decode steps ran on captured graphs."""
     from pagedmoe import LLM, SamplingParams
     llm = LLM(model, dtype="float32", device="cuda", skip_tokenizer_init=True, enforce_eager=enforce_eager,
               attention_backend=backend, moe_backend=backend, max_num_seqs=16, max_model_len=512)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(20 + 9 * i)]} for i in range(12)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs], llm.engine.runner.decode_graphs is not None
 
 
 def check_graphs(models_dir: str) -> dict:
@@ -161,10 +175,11 @@ def check_graphs(models_dir: str) -> dict:
     result = {"status": "passed"}
     for name in ("qwen3-100m", "qwen3-moe-100m-active"):
         path = os.path.join(models_dir, name)
-        graphs, eager = greedy_tokens(path, False, "triton"), greedy_tokens(path, True, "triton")
-        torch_path = greedy_tokens(path, True, "torch")
-        result[name] = dict(graphs_match_eager=graphs == eager, graphs_match_torch_path=graphs == torch_path)
-        if graphs != eager:
+        (graphs, captured), (eager, _) = greedy_tokens(path, False, "triton"), greedy_tokens(path, True, "triton")
+        torch_path = greedy_tokens(path, True, "torch")[0]
+        result[name] = dict(captured=captured, graphs_match_eager=graphs == eager,
+                            graphs_match_torch_path=graphs == torch_path)
+        if graphs != eager or not captured:
             result["status"] = "failed"
     return result
 

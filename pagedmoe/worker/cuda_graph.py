@@ -4,12 +4,15 @@ ids, positions, slots, block tables and lengths into the first n rows and pads u
 A padding row writes its KV nowhere (slot -1, which the Triton KV write skips) and attends no position
 (seq_len 0), so real KV is never touched. Prefills, steps above the largest size and every step on CPU run
 eagerly. A replayed step counts no expert load (its bincount would sync the host inside the graph)."""
+import logging
+
 import torch
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.attention.metadata import AttentionMetadata, Workspace
 
 MAX_CAPTURE_SIZE = 512
+logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -109,5 +112,9 @@ def make_decode_graphs(config: EngineConfig, model, kv_caches: torch.Tensor, wor
     max_blocks_per_seq = -(-config.max_model_len // config.block_size)
     graphs = DecodeGraphs(model, capture_sizes(config.max_num_seqs), max_blocks_per_seq, kv_caches,
                           config.block_size, workspace, decode_splits(config.max_model_len))
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as error:  # an op that syncs the host cannot be captured: eager is still correct
+        logger.warning("decode steps run eagerly, CUDA graph capture failed: %s", error)
+        return None
     return graphs
