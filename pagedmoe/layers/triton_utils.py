@@ -6,27 +6,16 @@ triton.jit reads that variable when a kernel is decorated, so it would depend on
 imports triton long before any kernel module), and it would also turn the CUDA kernels into interpreted ones.
 Triton's own device functions (tl.sum, tl.max, tl.cdiv, ...) are compiled-only JITFunctions unless
 TRITON_INTERPRET was set when triton was imported; an interpreted launch runs them interpreted for its duration.
-Setting TRITON_INTERPRET=1 before anything imports triton also works: then every kernel is interpreted."""
+Setting TRITON_INTERPRET=1 before anything imports triton also works: then every kernel is interpreted.
+Only the "triton" backends import this module (worker/backends.py checks that triton is installed)."""
 import contextlib
 import functools
 import threading
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl  # noqa: F401 (re-exported for the kernel modules)
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-except ImportError as error:  # pagedmoe runs without triton; only the "triton" backends need it
-    triton, IMPORT_ERROR = None, error
-else:
-    IMPORT_ERROR = None
-
-
-def require_triton():
-    if triton is None:
-        raise ValueError(f"the triton backends need the triton package: {IMPORT_ERROR}")
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 
 class Kernel:

@@ -1,12 +1,12 @@
 """Which kernels a model runs: "auto" is Triton on CUDA (where triton imports) and the PyTorch path on CPU,
 whose decode attention and MoE then take the C++ kernels; "triton" on CPU runs the Triton kernels in Triton's
 interpreter (slow: for tests)."""
+import importlib.util
 import logging
 
 import torch
 
 from pagedmoe.config import EngineConfig
-from pagedmoe.layers.triton_utils import require_triton, triton
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +23,10 @@ def _select(name: str, choice: str, device: str) -> str:
     if choice == "auto":
         if torch.device(device).type != "cuda":
             return "torch"
-        if triton is None:
+        if importlib.util.find_spec("triton") is None:
             logger.warning("%s: triton is not installed; CUDA runs the PyTorch path", name)
             return "torch"
         return "triton"
-    if choice == "triton":
-        require_triton()
+    if choice == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{name}: 'triton' needs the triton package (pip install triton)")
     return choice
