@@ -66,6 +66,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # torchrun's convention: where rank 0's process group listens
     master_port: int | None = None  # None: a free port (one process group on one node only)
     distributed_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
+    expert_cache_memory: int | None = None  # bytes for routed experts; the rest stay in the checkpoint's files
+    expert_cache_policy: str = "lru"  # which resident expert an offloaded layer evicts: "lru" or "lfu"
+    expert_prefetch: str = "auto"  # offloaded experts: "slots", "readahead", "off"; auto: readahead on CPU
     kv_transfer_config: dict | str | None = None  # as vLLM's: {"kv_connector": ..., "kv_role": ..., ...}
     kv_events_config: dict | str | None = None  # as vLLM's: {"enable_kv_cache_events": true, "endpoint": ...}
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -84,6 +87,7 @@ class EngineConfig:
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
         self._check_parallel()
+        self._check_expert_cache()
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or limit, limit)
 
@@ -135,10 +139,31 @@ class EngineConfig:
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
+    def _check_expert_cache(self):
+        if self.expert_prefetch not in ("auto", "slots", "readahead", "off"):
+            raise ValueError(f"expert_prefetch must be 'auto', 'slots', 'readahead' or 'off', got {self.expert_prefetch!r}")
+        if self.expert_cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"expert_cache_policy must be 'lru' or 'lfu', got {self.expert_cache_policy!r}")
+        if self.expert_cache_memory is None:
+            return
+        if isinstance(self.expert_cache_memory, bool) or not isinstance(self.expert_cache_memory, int) \
+                or self.expert_cache_memory < 1:
+            raise ValueError(f"expert_cache_memory must be a number of bytes >= 1, got {self.expert_cache_memory!r}")
+        if self.world_size > 1:
+            raise ValueError("expert_cache_memory: offloaded experts run with one rank for now")
+
     @property
     def world_size(self) -> int:
         """Ranks: tensor_parallel_size x data_parallel_size."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def expert_prefetch_mode(self) -> str:
+        """auto: slots filled by a background thread on an accelerator (copies overlap compute there), the page
+        cache's readahead on a CPU (where a filling thread competes with the compute threads)."""
+        if self.expert_prefetch != "auto":
+            return self.expert_prefetch
+        return "readahead" if torch.device(self.device).type == "cpu" else "slots"
 
     @property
     def ranks_per_node(self) -> int:

@@ -42,6 +42,29 @@ def tiny_moe_config():
                                        bos_token_id=0, pad_token_id=0)
 
 
+MOE_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=0, pad_token_id=0)
+# tiny random MoE configs of every routed family (tests/distributed, tests/engine/test_expert_offload.py)
+TINY_MOE_CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**MOE_COMMON, intermediate_size=96, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE_COMMON, intermediate_size=128, moe_intermediate_size=48,
+                                                     shared_expert_intermediate_size=80, num_experts=8,
+                                                     num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE_COMMON, head_dim=32, intermediate_size=128,
+                                                     moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                                     norm_topk_prob=True),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MOE_COMMON | {"num_hidden_layers": 3, "num_key_value_heads": 4}, intermediate_size=96,
+        moe_intermediate_size=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+        n_routed_experts=8, first_k_dense_replace=1, n_shared_experts=1, num_experts_per_tok=3,
+        routed_scaling_factor=2.5, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True),
+    "gpt_oss": lambda: transformers.GptOssConfig(**MOE_COMMON | {"num_hidden_layers": 3}, head_dim=32,
+                                                 intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                                 sliding_window=8),
+}
+
+
 def save_random_model(cfg, path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -235,7 +235,7 @@ def _setup_vllm(args):
 PASSTHROUGH = {"moe": "pagedmoe.bench.moe", "memory": "pagedmoe.bench.memory", "kernels": "pagedmoe.bench.cpu_kernels",
                "quantization": "pagedmoe.bench.quantization", "structured": "pagedmoe.bench.structured",
                "parallel": "pagedmoe.bench.parallel", "router": "pagedmoe.bench.routing",
-               "disagg": "pagedmoe.bench.disagg"}
+               "disagg": "pagedmoe.bench.disagg", "offload": "pagedmoe.bench.offload"}
 
 
 def _add_throughput(sub):
@@ -319,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("parallel", help="one process vs TP=2 and EP=2: tok/s, communication per step; EPLB balance")
     sub.add_parser("router", help="two replicas behind pagedmoe router: round robin vs cache-aware on shared prefixes")
     sub.add_parser("disagg", help="one instance vs 1P1D (prefill/decode disaggregation): TTFT, ITL; KV transfer MB/s")
+    sub.add_parser("offload", help="all experts resident vs an expert cache of a fraction of them: decode, hit rate")
     return parser
 
 

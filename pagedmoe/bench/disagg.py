@@ -1,13 +1,12 @@
 """`pagedmoe bench disagg`: one instance (chunked prefill) against 1P1D (a prefill and a decode instance behind
-`pagedmoe router --prefill --decode`, SharedStorageConnector) on the same mixed workload at one request rate
-(--num-requests prompts of --long-len tokens with --short-output tokens, every --long-every-th request,
-and --short-len prompts with --long-output tokens otherwise): TTFT and ITL p50 / p99, output tok/s. Then the
-connector's transfer bandwidth: a --bandwidth-tokens prompt's KV in this model's cache shape saved and loaded
-(MB/s, best of 3)."""
+`pagedmoe router --prefill --decode`, --connector SharedStorageConnector or NixlConnector) on the same mixed
+workload at one request rate (--num-requests prompts of --long-len tokens with --short-output tokens, every
+--long-every-th request, and --short-len prompts with --long-output tokens otherwise): TTFT and ITL p50 / p99,
+output tok/s. Then the connector's transfer bandwidth: a --bandwidth-tokens prompt's KV in this model's cache
+shape saved and loaded (shared storage), or read by one NIXL agent from another (MB/s, best of 3)."""
 import argparse
 import asyncio
 import json
-import os
 import random
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL
 from pagedmoe.entrypoints.router import DisaggregatedRouter, router_in_thread
 from pagedmoe.kv_transfer.connector import KVLoad, KVTransferConfig
+from pagedmoe.kv_transfer.nixl_connector import NixlConnector
 from pagedmoe.kv_transfer.shared_storage import SharedStorageConnector
 
 
@@ -33,9 +33,9 @@ def mixed_workload(args, vocab: int) -> list[BenchRequest]:
             for n, out in (shape(i) for i in range(args.num_requests))]
 
 
-def connector_json(role: str, path: str) -> str:
-    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"shared_storage_path": path}})
+def connector_json(connector: str, role: str, path: str) -> str:
+    extra = {"shared_storage_path": path} if connector == "SharedStorageConnector" else {}
+    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra})
 
 
 def serve_figures(url: str, workload: list[BenchRequest], rate: float) -> dict:
@@ -49,29 +49,67 @@ def bench_serving(args, workload: list[BenchRequest]) -> dict:
     store = tempfile.mkdtemp(prefix="kv-store-")
     with subprocess_server(args.model, engine) as single:
         rows = {"1 instance": serve_figures(single, workload, args.request_rate)}
-    with subprocess_server(args.model, engine | {"kv_transfer_config": connector_json("kv_producer", store)}) as p, \
-            subprocess_server(args.model, engine | {"kv_transfer_config": connector_json("kv_consumer", store)}) as d, \
+    producer, consumer = (connector_json(args.connector, role, store) for role in ("kv_producer", "kv_consumer"))
+    with subprocess_server(args.model, engine | {"kv_transfer_config": producer}) as p, \
+            subprocess_server(args.model, engine | {"kv_transfer_config": consumer}) as d, \
             router_in_thread(DisaggregatedRouter(p, d)) as url:
         rows["1P1D"] = serve_figures(url, workload, args.request_rate)
     return rows
 
 
 def bandwidth(args) -> dict:
-    """MB/s of the connector's save and load of one prompt's KV, in the model's float32 cache shape."""
+    """MB/s of the connector's transfer of one prompt's KV, in the model's float32 cache shape."""
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(args.model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     num_blocks = -(-args.bandwidth_tokens // 16)
     cache = torch.randn(cfg.num_hidden_layers, 2 * cfg.num_key_value_heads, num_blocks, 16, head_dim)
+    load = KVLoad("bench", list(range(num_blocks)), args.bandwidth_tokens, "bench")
+    nbytes = cache[:, :, 0, 0].numel() * cache.element_size() * args.bandwidth_tokens
+    nixl = args.connector == "NixlConnector"
+    figures = (nixl_bandwidth if nixl else storage_bandwidth)(cache, load)
+    return {"connector": args.connector, "tokens": args.bandwidth_tokens, "bytes": nbytes,
+            "over": "UCX on loopback" if nixl else f"files under {tempfile.gettempdir()}",
+            **{name: nbytes / seconds / 1e6 for name, seconds in figures.items()}}
+
+
+def storage_bandwidth(cache: torch.Tensor, load: KVLoad) -> dict:
     store = tempfile.mkdtemp(prefix="kv-bw-")
     connector = SharedStorageConnector(KVTransferConfig("SharedStorageConnector",
                                                         kv_connector_extra_config={"shared_storage_path": store}))
-    load = KVLoad("bench", list(range(num_blocks)), args.bandwidth_tokens)
-    nbytes = cache[:, :, 0, 0].numel() * cache.element_size() * args.bandwidth_tokens
-    return {"tokens": args.bandwidth_tokens, "bytes": nbytes,
-            "save_mb_s": nbytes / best_time(lambda: connector.save_kv(load, cache, 16)) / 1e6,
-            "load_mb_s": nbytes / best_time(lambda: connector.start_load_kv(load, cache, 16)) / 1e6,
-            "dir": os.path.dirname(store)}
+    return {"save_mb_s": best_time(lambda: connector.save_kv(load, cache, 16)),
+            "load_mb_s": best_time(lambda: connector.start_load_kv(load, cache, 16))}
+
+
+def nixl_bandwidth(cache: torch.Tensor, load: KVLoad) -> dict:
+    """One agent reads the other's blocks (UCX, loopback) through the connector's own handshake and read path."""
+    producer, consumer = (NixlConnector(KVTransferConfig("NixlConnector", role))
+                          for role in ("kv_producer", "kv_consumer"))
+    local = torch.zeros_like(cache)
+    producer.register_kv_caches(cache, 16)
+    consumer.register_kv_caches(local, 16)
+    producer.set_xfer_handshake_metadata(producer.get_handshake_metadata())
+    load.remote = {"remote_engine_id": producer.config.engine_id, "remote_host": producer.host,
+                   "remote_port": producer.port, "remote_block_ids": load.block_ids, "remote_request_id": "bench"}
+    try:
+        read = lambda: nixl_read(consumer, load)
+        read()  # the handshake, once per remote engine
+        figures = {"read_mb_s": best_time(read)}
+        assert torch.equal(local, cache), "the NIXL read did not copy the blocks"
+        return figures
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def nixl_read(consumer: NixlConnector, load: KVLoad):
+    consumer.start_load_kv(load, None, 16)
+    while True:
+        done = consumer.get_finished()
+        if load.request_id in done.failed_recving:
+            raise done.failed_recving[load.request_id]
+        if load.request_id in done.finished_recving:
+            return
 
 
 def best_time(fn, repeats: int = 3) -> float:
@@ -97,8 +135,8 @@ def format_lines(result: dict) -> list[str]:
         lines.append(f"{name:<11} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} {r['itl_p50_ms']:>8.1f} "
                      f"{r['itl_p99_ms']:>8.1f} {r['output_tok_s']:>9.1f}  ({r['failed']} failed)")
     bw = result["bandwidth"]
-    lines.append(f"SharedStorageConnector, {bw['tokens']} tokens ({bw['bytes'] / 1e6:.1f} MB) under {bw['dir']}: "
-                 f"save {bw['save_mb_s']:.0f} MB/s, load {bw['load_mb_s']:.0f} MB/s")
+    rates = ", ".join(f"{name[:-5]} {value:.0f} MB/s" for name, value in bw.items() if name.endswith("_mb_s"))
+    lines.append(f"{bw['connector']}, {bw['tokens']} tokens ({bw['bytes'] / 1e6:.1f} MB), {bw['over']}: {rates}")
     return lines
 
 
@@ -115,6 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--instance-threads", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="chunked prefill's step budget")
     parser.add_argument("--bandwidth-tokens", type=int, default=1024)
+    parser.add_argument("--connector", choices=("SharedStorageConnector", "NixlConnector"),
+                        default="SharedStorageConnector", help="the KV connector of 1P1D and of the bandwidth figure")
     parser.add_argument("--output-json", default=None)
     return parser.parse_args(argv)
 

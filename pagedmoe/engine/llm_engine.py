@@ -53,6 +53,7 @@ class EngineStats:
     expert_load: list[list[int]]  # per MoE layer, tokens routed to each expert since start
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts and accepted tokens
     parallel: object | None = None  # with several ranks: distributed/stats.py's ParallelStats
+    expert_cache: object | None = None  # offloaded experts: layers/moe/offload/stats.py's ExpertCacheStats
 
     @property
     def kv_cache_usage(self) -> float:
@@ -73,6 +74,8 @@ class LLMEngine:
         self.kv = make_kv_cache_manager(config, self.runner, static, lookahead)
         self.kv.drop_last_hit = spec is not None and spec.uses_hidden_states
         self.connector = make_connector(config.kv_transfer_config)  # the scheduler side of P/D's KV hand-off
+        if self.connector is not None:
+            self.connector.set_xfer_handshake_metadata(self.runner.kv_connector.get_handshake_metadata())
         self.scheduler = Scheduler(config, self.kv, self.connector)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
@@ -211,6 +214,8 @@ class LLMEngine:
     def shutdown(self):
         """Stops the other ranks of a multi-process engine and the KV event publisher, if any."""
         self.runner.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
         if self.kv_events is not None:
             self._publish_kv_events()
             self.kv_events.shutdown()
@@ -219,10 +224,13 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        failed = self._update_kv_transfers()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        outputs = self._run_step(sched)
+            if self.scheduler.waiting_for_remote_kvs:
+                time.sleep(0.0005)  # only remote reads in flight (NIXL moves them): no busy loop on the core
+            return failed
+        outputs = failed + self._run_step(sched)
         self._publish_kv_events()  # the blocks this step wrote are stored now
         return outputs
 
@@ -244,14 +252,21 @@ class LLMEngine:
                                     self.num_generation_tokens - num_generated, self._proposal_s)
         return outputs
 
-    def _drop_failed_loads(self, sched: SchedulerOutput, failed_loads: dict) -> list[RequestOutput]:
-        """Requests whose remote KV did not load fail with that error (policy "fail", vLLM's default); the
-        rest of the step goes on without them."""
-        if not failed_loads:
+    def _update_kv_transfers(self) -> list[RequestOutput]:
+        """An async KV connector's transfers finished since the last step (reads done, leases released)."""
+        if self.connector is None:
             return []
-        failed = {rid: (self.requests[rid], error) for rid, error in failed_loads.items() if rid in self.requests}
-        keep = [i for i, seq in enumerate(sched.seqs) if seq.request.request_id not in failed]
+        return self._fail_loads(self.scheduler.update_connector_output(self.runner.kv_connector.get_finished()))
+
+    def _drop_failed_loads(self, sched: SchedulerOutput, failed_loads: dict) -> list[RequestOutput]:
+        """Requests whose remote KV did not load fail with that error; the rest of the step goes on without them."""
+        keep = [i for i, seq in enumerate(sched.seqs) if seq.request.request_id not in failed_loads]
         sched.seqs, sched.num_new_tokens = [sched.seqs[i] for i in keep], [sched.num_new_tokens[i] for i in keep]
+        return self._fail_loads(failed_loads)
+
+    def _fail_loads(self, failed_loads: dict) -> list[RequestOutput]:
+        """Policy "fail" (vLLM's default kv_load_failure_policy): a request whose remote KV did not load fails."""
+        failed = {rid: (self.requests[rid], error) for rid, error in failed_loads.items() if rid in self.requests}
         self._fail(failed)
         return [self._make_output(request, time.time()) for request, _ in failed.values()]
 
@@ -446,6 +461,7 @@ class LLMEngine:
         params, save = self.connector.request_finished(seq)
         if save is not None:
             self.runner.save_kv(save)
+        if params is not None:
             seq.request.kv_transfer_params_out = params
 
     def _sample_logprobs(self, seq: Sequence, token_id: int, sampled, row: int) -> dict[int, Logprob]:
@@ -522,7 +538,7 @@ class LLMEngine:
                            self.kv.num_offloaded_blocks, self.kv.num_spilled_blocks,
                            [] if self.expert_load is None else self.expert_load.tolist(),
                            self.spec_decode_stats.copy() if self.proposer is not None else None,
-                           self.runner.parallel_stats(self.expert_load))
+                           self.runner.parallel_stats(self.expert_load), self.runner.expert_cache_stats())
 
 
 def _advance_grammar(seq: Sequence, token_id: int):

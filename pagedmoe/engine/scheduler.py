@@ -19,7 +19,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not (self.connector_meta is not None and self.connector_meta.loads)
 
 
 class Scheduler:
@@ -32,13 +32,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.waiting_for_remote_kvs: list[Sequence] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], BlockTransfers())
@@ -111,12 +112,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._wants_remote_kv(seq):
                 if not self._admit_with_remote_kv(seq):
                     break
-                budget = self._start_running(self.waiting.popleft(), 1, out, budget)
+                budget = self._start_after_remote_kv(self.waiting.popleft(), out, budget)
                 continue
             cached = self.kv.find_cached_prefix(seq) if not seq.block_table else []
             num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget)
@@ -131,6 +132,9 @@ class Scheduler:
             budget = self._start_running(self.waiting.popleft(), num_new, out, budget)
         return budget
 
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.waiting_for_remote_kvs)
+
     def _wants_remote_kv(self, seq: Sequence) -> bool:
         return (self.connector is not None and not seq.block_table and seq.num_output_tokens == 0
                 and self.connector.wants_remote_prefill(seq.request.kv_transfer_params)
@@ -144,9 +148,28 @@ class Scheduler:
             return False
         seq.num_computed_tokens = num_external
         seq.request.num_cached_tokens = num_external
-        seq.request.kv_transfer_params = None  # one hand-off per request: a recompute after preemption is local
         self.connector.update_state_after_alloc(seq, num_external)
+        seq.request.kv_transfer_params = None  # one hand-off per request: a recompute after preemption is local
         return True
+
+    def _start_after_remote_kv(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """A sync load runs before this step's forward; an async one leaves seq waiting (vLLM's
+        WAITING_FOR_REMOTE_KVS) until update_connector_output reports its read."""
+        if not self.connector.load_kv_async:
+            return self._start_running(seq, 1, out, budget)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs.append(seq)
+        return budget
+
+    def update_connector_output(self, output) -> dict:
+        """The connector's finished transfers: a sequence whose KV arrived runs on (its last prompt token);
+        returns the failed reads, {request id: error}."""
+        for seq in [s for s in self.waiting_for_remote_kvs if s.request.request_id in output.finished_recving]:
+            self.waiting_for_remote_kvs.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        self.connector.update_connector_output(output, self.kv)
+        return output.failed_recving
 
     def _start_running(self, seq: Sequence, num_new: int, out: SchedulerOutput, budget: int) -> int:
         seq.status = SequenceStatus.RUNNING
@@ -164,12 +187,15 @@ class Scheduler:
 
     def finish(self, seq: Sequence, failed: bool = False):
         self._remove(seq)
+        if self.connector is not None:
+            self.connector.before_free(seq, self.kv)
         (self.kv.discard if failed else self.kv.free)(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _queue_of(self, seq: Sequence):
         return {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
-                SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+                SequenceStatus.SWAPPED: self.swapped,
+                SequenceStatus.WAITING_FOR_REMOTE_KVS: self.waiting_for_remote_kvs}.get(seq.status)
 
     def _remove(self, seq: Sequence):
         queue = self._queue_of(seq)

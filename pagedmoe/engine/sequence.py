@@ -11,6 +11,7 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     SWAPPED = auto()
+    WAITING_FOR_REMOTE_KVS = auto()  # blocks allocated, an async KV connector reading the prompt's KV into them
     FINISHED = auto()
 
 

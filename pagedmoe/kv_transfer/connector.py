@@ -2,7 +2,9 @@
 (kv_producer) saves a finished request's prompt KV and answers with kv_transfer_params; a decode instance
 (kv_consumer) given those params loads the KV into blocks it allocates, so it computes only the last prompt
 token. Scheduler side: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
-request_finished. Worker side: start_load_kv, save_kv."""
+request_finished, before_free, update_connector_output. Worker side: register_kv_caches, start_load_kv, save_kv,
+get_finished. A connector whose loads are async (load_kv_async) leaves its requests waiting for remote KV
+until get_finished reports their reads."""
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class KVLoad:
     block_ids: list[int]
     num_tokens: int
     request_id: str = ""
+    remote: dict | None = None  # the kv_transfer_params naming the peer (network connectors)
 
 
 @dataclass
@@ -57,8 +60,17 @@ class ConnectorMetadata:
     loads: list[KVLoad] = field(default_factory=list)
 
 
+@dataclass
+class KVTransferOutput:
+    """vLLM's KVConnectorOutput: what the worker side finished since its last poll, by request id."""
+    finished_sending: list[str] = field(default_factory=list)  # a peer has read these (their leases end)
+    finished_recving: set[str] = field(default_factory=set)  # reads done: their requests compute on
+    failed_recving: dict[str, Exception] = field(default_factory=dict)  # reads that failed, with the error
+
+
 class KVConnector:
     """The scheduler side keeps which waiting requests load remote KV; the worker side moves the bytes."""
+    load_kv_async = False  # True: start_load_kv only starts a read, which get_finished reports later
 
     def __init__(self, config: KVTransferConfig):
         self.config, self.pending = config, ConnectorMetadata()
@@ -96,6 +108,28 @@ class KVConnector:
     def key_of(self, seq, num_tokens: int) -> str:
         raise NotImplementedError
 
+    def before_free(self, seq, kv):
+        """The scheduler frees a finished (or aborted) sequence's blocks next; a connector that still needs
+        them takes a lease on them here."""
+
+    def update_connector_output(self, output: KVTransferOutput, kv):
+        """The worker side's finished transfers; a connector ends the leases they release."""
+
+    def set_xfer_handshake_metadata(self, metadata: dict | None):
+        """The worker side's handshake metadata, which the scheduler side serves to peers."""
+
+    def register_kv_caches(self, cache, block_size: int):
+        """Worker side, once: the KV cache, [layers, kv_tensors, blocks, block_size, ...]."""
+
+    def get_handshake_metadata(self) -> dict | None:
+        return None
+
+    def get_finished(self) -> KVTransferOutput:
+        return KVTransferOutput()
+
+    def shutdown(self):
+        pass
+
 
 CONNECTORS: dict[str, type] = {}
 
@@ -104,4 +138,4 @@ def make_connector(config: KVTransferConfig | None) -> KVConnector | None:
     return None if config is None else CONNECTORS[config.kv_connector](config)
 
 
-from pagedmoe.kv_transfer import shared_storage  # noqa: E402,F401  (registers SharedStorageConnector)
+from pagedmoe.kv_transfer import nixl_connector, shared_storage  # noqa: E402,F401  (register themselves)

@@ -35,7 +35,8 @@ class DraftModelProposer:
     def __init__(self, config, spec: SpeculativeConfig):
         self.spec = spec
         self.config = dataclasses.replace(config, model=spec.model, tokenizer=None, skip_tokenizer_init=True,
-                                          dtype=DTYPE_NAMES[config.torch_dtype], speculative_config=None)
+                                          dtype=DTYPE_NAMES[config.torch_dtype], speculative_config=None,
+                                          expert_cache_memory=None)
         hf, target = self.config.hf_config, config.hf_config
         if hf.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf.vocab_size}) is not the "

@@ -8,6 +8,8 @@ import torch
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
+from pagedmoe.layers.moe.offload.setup import offload_experts
+from pagedmoe.layers.moe.offload.store import expert_refs
 from pagedmoe.layers.quantization.checkpoint import checkpoint_tensors
 from pagedmoe.layers.quantization.config import check_requested, read_quantization_config
 from pagedmoe.models.registry import resolve_model_class
@@ -72,11 +74,21 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     quant = read_quantization_config(config.model, config.hf_config)
     check_requested(config.quantization, quant, config.model)
     num_expected = num_weight_elements(model)  # before packed 4-bit layers drop their dense weights
-    num_loaded = load_weights(model, config.model, quant, keeps_fp4_packed(model, config))
+    offload = config.expert_cache_memory is not None
+    num_loaded = load_weights(model, config.model, quant, keeps_fp4_packed(model, config), offload)
     if num_loaded != num_expected:
         raise ValueError(f"model: checkpoint in {config.model!r} filled {num_loaded} of {num_expected} "
                          "weight elements; weights are missing or duplicated")
+    if offload:
+        offload_model_experts(model, config)
     return model.to(dtype=config.torch_dtype).eval()
+
+
+def offload_model_experts(model: torch.nn.Module, config: EngineConfig):
+    """The routed experts stay in the checkpoint, read into each MoE layer's expert cache as needed."""
+    model.expert_prefetch_pool = offload_experts(getattr(model, "moe_layers", []), config.expert_cache_memory,
+                                                 config.expert_cache_policy, config.torch_dtype,
+                                                 config.expert_prefetch_mode)
 
 
 def num_weight_elements(model: torch.nn.Module) -> int:
@@ -91,11 +103,17 @@ def keeps_fp4_packed(model: torch.nn.Module, config: EngineConfig) -> bool:
     return packed and getattr(model, "takes_fp4_packed", False)
 
 
-def load_weights(model: torch.nn.Module, model_dir: str, quant=None, packed: bool = False) -> int:
+def load_weights(model: torch.nn.Module, model_dir: str, quant=None, packed: bool = False,
+                 offload: bool = False) -> int:
     """Every tensor of the directory's safetensors offered to model.load_weight (quantized weights decoded to
-    float32 first, or 4-bit ones kept packed, see layers/quantization); the elements it took."""
-    num_loaded = 0
-    for name, tensor in checkpoint_tensors(weight_files(model_dir), quant, packed):
+    float32 first, or 4-bit ones kept packed, see layers/quantization); with offload, the routed experts'
+    weights as references, never read here; the elements it took."""
+    if offload and quant is not None:
+        raise ValueError(f"expert_cache_memory: {quant.method} checkpoints are not offloaded yet")
+    files = weight_files(model_dir)
+    refs = {name: ref for path in files for name, ref in expert_refs(path).items()} if offload else {}
+    num_loaded = sum(ref.numel() for name, ref in refs.items() if model.load_weight(name, ref))
+    for name, tensor in checkpoint_tensors(files, quant, packed, skip=refs):
         if model.load_weight(name, tensor):
             num_loaded += sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel()
     return num_loaded

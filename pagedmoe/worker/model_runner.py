@@ -13,6 +13,7 @@ from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
 from pagedmoe.layers.attention.metadata import Workspace
+from pagedmoe.layers.moe.offload.stats import expert_cache_stats
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
 from pagedmoe.spec_decode.proposer import make_drafter
@@ -57,7 +58,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config, self.device = config, torch.device(config.device)
         self.rank = rank or RankInfo(0, config.world_size)
-        self.executor = self._start_ranks()
+        self.executor, self.kv_connector = self._start_ranks(), None
         try:
             self._build(config)
         except BaseException:
@@ -108,6 +109,8 @@ class ModelRunner:
         if connector is not None and self.layer_slots is not None:
             raise ValueError("kv_transfer_config: sliding-window KV (hybrid layout) is not handed off yet; "
                              "use --disable-hybrid-kv-cache-manager")
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache.device_cache, config.block_size)
         return connector
 
     def _eplb_state(self, config: EngineConfig):
@@ -139,9 +142,15 @@ class ModelRunner:
         return parallel_stats(getattr(self.model, "moe_layers", []), expert_load, self.rank.world_size,
                               self.num_steps, self.rank_seconds.get(self.executor))
 
+    def expert_cache_stats(self):
+        """Offloaded experts' cache counters (layers/moe/offload/stats.py), or None."""
+        return expert_cache_stats(getattr(self.model, "moe_layers", []))
+
     def shutdown(self):
         if self.executor is not None:
             self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
         if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1 \

@@ -45,15 +45,21 @@ def complete(url: str, prompt, stream: bool = False, model: str | None = MODEL) 
     return "".join(c["text"] for e in events for c in e["choices"])
 
 
-def test_prefill_then_decode_matches_one_instance(instances):
-    single, prefill, decode, _ = instances
-    prompts = make_prompts(8, seed=6, min_len=3, max_len=70)
+def assert_pair_matches_one_instance(single, prefill, decode, seed: int):
+    """8 prompts of 3-70 tokens through the proxy, every other one streamed: one instance's text, the decode
+    instance computing only each prompt's last token."""
+    prompts = make_prompts(8, seed=seed, min_len=3, max_len=70)
     before = decode.engine.num_prompt_tokens
     with router_in_thread(DisaggregatedRouter(prefill.url, decode.url)) as url:
         for index, prompt in enumerate(prompts):
             stream = index % 2 == 1
             assert complete(url, prompt, stream) == complete(single.url, prompt, stream)
-    assert decode.engine.num_prompt_tokens - before == len(prompts)  # only each prompt's last token
+    assert decode.engine.num_prompt_tokens - before == len(prompts)
+
+
+def test_prefill_then_decode_matches_one_instance(instances):
+    single, prefill, decode, _ = instances
+    assert_pair_matches_one_instance(single, prefill, decode, seed=6)
     for server in (single, prefill, decode):
         wait_all_blocks_free(server)
 
@@ -101,10 +107,10 @@ def metric_total(url: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def server_process(path: str, role: str, store):
+def server_process(path: str, kv_transfer_config: str):
     """`pagedmoe serve` in a process of its own (no API key; the model's name is its path)."""
     port = free_port()
-    process = subprocess.Popen(serve_command(path, port, {"kv_transfer_config": connector(role, store)}))
+    process = subprocess.Popen(serve_command(path, port, {"kv_transfer_config": kv_transfer_config}))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 120, lambda: process.poll() is None)
@@ -118,8 +124,9 @@ def test_separate_processes_and_a_killed_prefill(text_model, tmp_path):
     request and ends with no block in use; once the prefill process is killed, requests get a 502 at once."""
     store, path = tmp_path / "kv", text_model[0]
     prompts = make_prompts(4, seed=14, min_len=5, max_len=50)
-    with serve(path, num_kv_blocks=128) as single, server_process(path, "kv_producer", store) as (prefill, p_proc), \
-            server_process(path, "kv_consumer", store) as (decode, _), \
+    with serve(path, num_kv_blocks=128) as single, \
+            server_process(path, connector("kv_producer", store)) as (prefill, p_proc), \
+            server_process(path, connector("kv_consumer", store)) as (decode, _), \
             router_in_thread(DisaggregatedRouter(prefill, decode)) as url:
         expected = [complete(single.url, p) for p in prompts]
         before = metric_total(decode, "prompt_tokens_total")
@@ -146,24 +153,33 @@ print(json.dumps(texts))
 def test_prefill_and_decode_in_two_network_namespaces(text_model, tmp_path):
     """The pair on two test hosts (network namespaces over a veth pair, sharing only the storage directory's
     file system): P and the proxy on host 0, D on host 1, a client on host 0; one instance's tokens."""
-    from netns import ADDRS, in_namespace, two_hosts
-    store, path, script = tmp_path / "kv", text_model[0], tmp_path / "client.py"
+    from netns import PAIR
+    store = tmp_path / "kv"
+    run_pair_in_namespaces(text_model[0], tmp_path, PAIR, connector("kv_producer", store),
+                           connector("kv_consumer", store), seed=16)
+
+
+def run_pair_in_namespaces(path: str, tmp_path, hosts, producer: str, consumer: str, seed: int):
+    """`pagedmoe serve` P (kv_transfer_config producer) and the router on host 0, D on host 1, a client on
+    host 0 sending 3 prompts through the router: one instance's tokens."""
+    from netns import in_namespace, two_hosts
+    script = tmp_path / "client.py"
     script.write_text(CLIENT)
-    prompts = make_prompts(3, seed=16, min_len=5, max_len=40)
-    with serve(path, num_kv_blocks=128) as single, two_hosts():
+    prompts = make_prompts(3, seed=seed, min_len=5, max_len=40)
+    with serve(path, num_kv_blocks=128) as single, two_hosts(hosts):
         expected = [complete(single.url, p) for p in prompts]
         ports = [free_port() for _ in range(3)]
-        procs = [in_namespace(0, serve_command(path, ports[0], {"kv_transfer_config": connector("kv_producer", store)})
-                              + ["--host", ADDRS[0]]),
-                 in_namespace(1, serve_command(path, ports[1], {"kv_transfer_config": connector("kv_consumer", store)})
-                              + ["--host", ADDRS[1]]),
-                 in_namespace(0, [sys.executable, "-m", "pagedmoe", "router", "--prefill", f"http://{ADDRS[0]}:{ports[0]}",
-                                  "--decode", f"http://{ADDRS[1]}:{ports[1]}", "--host", ADDRS[0], "--port", str(ports[2])])]
+        urls = [f"http://{hosts.addrs[0]}:{ports[0]}", f"http://{hosts.addrs[1]}:{ports[1]}",
+                f"http://{hosts.addrs[0]}:{ports[2]}"]
+        procs = [in_namespace(0, serve_command(path, ports[0], {"kv_transfer_config": producer})
+                              + ["--host", hosts.addrs[0]], hosts),
+                 in_namespace(1, serve_command(path, ports[1], {"kv_transfer_config": consumer})
+                              + ["--host", hosts.addrs[1]], hosts),
+                 in_namespace(0, [sys.executable, "-m", "pagedmoe", "router", "--prefill", urls[0], "--decode",
+                                  urls[1], "--host", hosts.addrs[0], "--port", str(ports[2])], hosts)]
         try:
-            client = in_namespace(0, [sys.executable, "-c", WAIT_AND_RUN, str(script), json.dumps(prompts),
-                                      f"http://{ADDRS[0]}:{ports[2]}", f"http://{ADDRS[0]}:{ports[0]}",
-                                      f"http://{ADDRS[1]}:{ports[1]}"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            client = in_namespace(0, [sys.executable, "-c", WAIT_AND_RUN, str(script), json.dumps(prompts), urls[2],
+                                      urls[0], urls[1]], hosts, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = client.communicate(timeout=240)
             assert client.returncode == 0, err[-3000:]
         finally:

@@ -41,7 +41,16 @@ def dashboard_stats(ctx: ServingContext) -> dict:
             "prefix_cache": {"queries": getattr(s, "prefix_cache_queries", 0),
                              "hits": getattr(s, "prefix_cache_hits", 0)},
             "ttft": ctx.metrics.percentiles("ttft"), "itl": ctx.metrics.percentiles("itl"),
-            "expert_load": snap.expert_load, "spec_decode": spec_decode_stats(s), "parallel": parallel_stats(s)}
+            "expert_load": snap.expert_load, "spec_decode": spec_decode_stats(s), "parallel": parallel_stats(s),
+            "expert_cache": expert_cache_stats(s)}
+
+
+def expert_cache_stats(stats) -> dict | None:
+    cache = getattr(stats, "expert_cache", None)
+    if cache is None:
+        return None
+    return {"hits": cache.hits, "misses": cache.misses, "bytes_loaded": cache.bytes_loaded,
+            "slots": cache.num_slots, "resident": cache.resident, "prefetch_accuracy": cache.prefetch_accuracy}
 
 
 def parallel_stats(stats) -> dict | None:

@@ -39,6 +39,21 @@ class EngineCollector(Collector):
             yield from self._spec_decode(stats.spec_decode)
         if getattr(stats, "parallel", None) is not None:
             yield from self._parallel(stats.parallel)
+        if getattr(stats, "expert_cache", None) is not None:
+            yield from self._expert_cache(stats.expert_cache)
+
+    def _expert_cache(self, cache):
+        yield self._counter("expert_cache_hits", "Active experts of a layer's step found resident.", cache.hits)
+        yield self._counter("expert_cache_misses", "Active experts of a layer's step read from the checkpoint.",
+                            cache.misses)
+        yield self._counter("expert_cache_loaded_bytes", "Expert bytes read from the checkpoint.", cache.bytes_loaded)
+        yield self._counter("expert_prefetch_loads", "Experts read ahead of their layer.", cache.prefetch_loads)
+        yield self._counter("expert_prefetch_predicted", "Experts the previous layer's router predicted.",
+                            cache.prefetch_predicted)
+        yield self._counter("expert_prefetch_correct", "Predicted experts the step then used.",
+                            cache.prefetch_correct)
+        yield self._gauge("expert_cache_resident_bytes", "Bytes of the expert caches' slots.", cache.resident_bytes)
+        yield self._gauge("expert_cache_slots", "Expert slots of each MoE layer.", cache.num_slots)
 
     def _parallel(self, parallel):
         yield self._gauge("parallel_world_size", "Ranks of the engine (tensor / expert parallel).",

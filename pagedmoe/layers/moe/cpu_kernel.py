@@ -70,20 +70,39 @@ class CpuFusedMoE:
             raise ValueError(reason)
         if activation not in KERNEL_ACTIVATIONS:
             raise ValueError(f"activation: the CPU MoE kernel runs {KERNEL_ACTIVATIONS}, got {activation!r}")
-        self.b13 = None if w13_bias is None else pack_gate_up(w13_bias.detach().float()[..., None], panel).flatten(1)
+        self.panel = panel
+        self.b13 = None if w13_bias is None else self.pack_bias(w13_bias.detach())
         self.b2 = None if w2_bias is None else w2_bias.detach().float().contiguous()
         self.epilogue = Epilogue(KERNEL_ACTIVATIONS.index(activation), ptr(self.b13).value, ptr(self.b2).value)
         self.fn = getattr(library, ENTRY_POINTS[w13.dtype])
         self.fn.restype = None
         self.num_experts, self.hidden, self.inter = w2.shape
-        w13, w2 = w13.detach(), w2.detach()
-        self.w13, self.w2 = pack_gate_up(w13, panel), pack_panels(w2, panel)
-        if w13.dtype == torch.bfloat16 and library.fused_moe_bf16_pairs():
-            self.w13, self.w2 = in_k_pairs(self.w13), in_k_pairs(self.w2)
+        self.pairs = w13.dtype == torch.bfloat16 and bool(library.fused_moe_bf16_pairs())
+        self.w13, self.w2 = self.pack(w13.detach(), w2.detach())
+        self.pack_expert = library.fused_moe_pack_expert
+        self.pack_expert.restype = None
+        self.pack_expert.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         self.amx_fn = amx_entry_point(library, w13)
         if self.amx_fn is not None:
             self.fn = self.amx_fn
         self.max_pairs = max_rows_per_expert(w13.dtype) * self.num_experts
+
+    def pack(self, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+        w13, w2 = pack_gate_up(w13, self.panel), pack_panels(w2, self.panel)
+        return (in_k_pairs(w13), in_k_pairs(w2)) if self.pairs else (w13, w2)
+
+    def pack_bias(self, w13_bias: Tensor) -> Tensor:
+        return pack_gate_up(w13_bias.float()[..., None], self.panel).flatten(1)
+
+    def set_expert(self, slot: int, w13: Tensor, w2: Tensor, w13_bias: Tensor | None, w2_bias: Tensor | None):
+        """Packs one expert's weights (converted to the kernel's dtype) and biases into slot, in place (offloaded
+        experts, moe/offload/)."""
+        w13, w2 = (w.to(self.w13.dtype).contiguous() for w in (w13, w2))
+        self.pack_expert(*map(ptr, (w13, w2, self.w13[slot], self.w2[slot])), self.inter, self.hidden,
+                         w13.element_size(), 2 if self.pairs else 1)
+        if self.b13 is not None:
+            self.b13[slot] = self.pack_bias(w13_bias[None])[0]
+            self.b2[slot] = w2_bias.float()
 
     def fits(self, x: Tensor, topk_ids: Tensor) -> bool:
         """Whether this batch runs here: decode-sized, or any size on AMX (and no autograd)."""

@@ -65,19 +65,29 @@ def bias_of(bias: Tensor | None, expert: int) -> Tensor | None:
 def looped_experts(x: Tensor, w13: Tensor | list[Tensor], w2: Tensor | list[Tensor], topk_weights: Tensor,
                    topk_ids: Tensor, act, w13_bias: Tensor | None, w2_bias: Tensor | None,
                    linear=F.linear) -> Tensor:
-    """One MLP call per active expert over its contiguous slice of the token copies sorted by expert, then
-    one router-weighted index_add_ of all rows into a float32 output."""
+    """One MLP call per active expert (expert_loop)."""
+    def run_expert(expert: int, rows: Tensor) -> Tensor:
+        hidden = act(linear(rows, w13[expert], bias_of(w13_bias, expert)))
+        return linear(hidden, w2[expert], bias_of(w2_bias, expert))
+    return expert_loop(x, topk_weights, topk_ids, len(w13), run_expert)
+
+
+def expert_loop(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, num_experts: int, run_expert,
+                expert_order=sorted) -> Tensor:
+    """run_expert(expert, rows) over each active expert's contiguous slice of the token copies sorted by
+    expert, the experts in expert_order(active experts), then one router-weighted index_add_ of all rows
+    into a float32 output (so the order never changes the result)."""
     order = routed_order(topk_ids)
     token_ids = order // topk_ids.shape[1]
     x_sorted = x.index_select(0, token_ids)
-    out_sorted = x.new_empty(x_sorted.shape[0], w2[0].shape[0])
-    ends = torch.bincount(topk_ids.flatten()[order], minlength=len(w13)).cumsum(0).tolist()
-    for expert, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        if end > start:
-            hidden = act(linear(x_sorted[start:end], w13[expert], bias_of(w13_bias, expert)))
-            out_sorted[start:end] = linear(hidden, w2[expert], bias_of(w2_bias, expert))
+    out_sorted = x.new_empty(x_sorted.shape)
+    ends = torch.bincount(topk_ids.flatten()[order], minlength=num_experts).cumsum(0).tolist()
+    spans = {e: (start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start}
+    for expert in expert_order(list(spans)):
+        start, end = spans[expert]
+        out_sorted[start:end] = run_expert(expert, x_sorted[start:end])
     weights = topk_weights.flatten()[order].float().unsqueeze(-1)
-    out = x.new_zeros(x.shape[0], out_sorted.shape[1], dtype=torch.float32)
+    out = x.new_zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     return out.index_add_(0, token_ids, scale_rows(out_sorted.float(), weights))
 
 

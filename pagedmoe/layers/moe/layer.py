@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
 from pagedmoe.layers.moe.cpu_kernel import KERNEL_ACTIVATIONS, CpuFusedMoE, load_library, unsupported_reason
 from pagedmoe.layers.moe.fused_moe import ACTIVATIONS, expert_counts, fused_experts, looped_experts
+from pagedmoe.layers.moe.offload.store import ExpertWeightRef
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
 from pagedmoe.layers.moe.shared_expert import SharedExpert
 from pagedmoe.layers.moe.weight_utils import copy_weight
@@ -75,6 +76,7 @@ class FusedMoE(nn.Module):
     expert_map = None  # expert parallel: this rank's slots and the routing of pairs to them (distributed/)
     token_exchange = None  # data-parallel attention: every rank's tokens in, this rank's rows out
     fp4_experts: tuple[list[PackedFp4Weight], list[PackedFp4Weight]] | None = None  # 4-bit, from the checkpoint
+    expert_cache = None  # offloaded experts: a pool of slots filled from the checkpoint (offload/)
 
     triton_experts = None  # the Triton fused-MoE kernels (triton_moe.py), where the moe backend is "triton"
 
@@ -83,7 +85,7 @@ class FusedMoE(nn.Module):
         self.triton_experts = triton_fused_experts
 
     def pack(self, min_bytes: int = 0):
-        if self.fp4_experts is not None or self.triton_experts is not None:
+        if self.fp4_experts is not None or self.expert_cache is not None or self.triton_experts is not None:
             return
         if can_pack(self.w13[0]) and can_pack(self.w2[0]) and nbytes(self.w2[0]) >= min_bytes:
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
@@ -95,6 +97,8 @@ class FusedMoE(nn.Module):
         """Runs decode-sized batches through the CPU fused-MoE kernel, and larger ones through the unpacked
         expert loop (as fast as oneDNN's packed copies there), so the weights are held twice, not three times.
         False where the kernel does not apply (activation, biases, shapes)."""
+        if self.expert_cache is not None:
+            return self.expert_cache.use_cpu_kernel(self.activation)
         if self.fp4_experts is not None:
             return False
         panel = load_library().fused_moe_panel()
@@ -108,6 +112,8 @@ class FusedMoE(nn.Module):
         return True
 
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.expert_cache is not None:
+            return self.expert_cache.forward(x, topk_weights, topk_ids, ACTIVATIONS[self.activation]).to(x.dtype)
         if self.triton_experts is not None and self.fp4_experts is None:
             return self.triton_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
                                        self.w13_bias, self.w2_bias).to(x.dtype)
@@ -130,6 +136,10 @@ class FusedMoE(nn.Module):
         bias = None if self.gate.bias is None else self.gate.bias.float()
         return F.linear(x.float(), self.gate.weight.float(), bias)
 
+    def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's top-k experts and their weights."""
+        return select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
+
     def shared_output(self, x: Tensor) -> Tensor:
         out = self.shared_experts(x)
         return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
@@ -138,7 +148,7 @@ class FusedMoE(nn.Module):
         own = x
         if self.token_exchange is not None:
             x = self.token_exchange.gather(x)
-        topk_weights, topk_ids = select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
+        topk_weights, topk_ids = self.select(x)
         if expert_load is not None:
             expert_load += expert_counts(topk_ids, self.num_experts)
         if self.expert_map is not None:
@@ -161,6 +171,9 @@ class FusedMoE(nn.Module):
         """Load one checkpoint tensor named relative to the MoE block; False if the name is unknown."""
         if isinstance(tensor, (PackedFp4Weight, list)):
             return self.load_fp4(name, tensor)
+        if isinstance(tensor, ExpertWeightRef):  # offloaded: read into the expert cache's slots on demand
+            self.__dict__.setdefault("expert_refs", {})[name] = tensor
+            return True
         if match := PER_EXPERT_NAME.fullmatch(name):
             copy_weight(self.expert_shard(int(match[1]), match[2]), tensor, name)
             return True

@@ -32,12 +32,13 @@ class Checkpoint:
         return self.handles[name].get_slice(name).get_dtype()
 
 
-def checkpoint_tensors(files: list[str], quant: QuantizationConfig | None,
-                       packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(files: list[str], quant: QuantizationConfig | None, packed: bool = False,
+                       skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """skip: names never read (offloaded experts)."""
     with ExitStack() as stack:
         checkpoint = Checkpoint(files, stack)
         decoder = DECODERS[quant.method](checkpoint, quant, packed) if quant is not None else None
-        for name in checkpoint.handles:
+        for name in (n for n in checkpoint.handles if n not in skip):
             decoded = decoder.decode(name) if decoder is not None else (name, checkpoint.get(name))
             if decoded is not None:
                 yield decoded

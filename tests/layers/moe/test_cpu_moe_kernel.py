@@ -222,3 +222,21 @@ def test_amx_experts_follow_the_reported_cpu(monkeypatch):
     assert attach_cpu_kernels(layer, {"moe"}, min_bytes=0) == 1
     assert layer.cpu_experts.amx_fn is None
     assert layer.cpu_experts.max_pairs == cpu_kernel.MAX_ROWS_PER_EXPERT[torch.bfloat16] * NUM_EXPERTS
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", x86_targets())
+def test_set_expert_packs_a_slot_as_construction_does(target, dtype, src_dtype):
+    """Offloaded experts fill one slot at a time (C++ pack, k-pairs where the build uses them, the checkpoint's
+    dtype converted first): the slots equal the packing of all experts at construction, and so do the outputs."""
+    library = cpu_kernel.load_library(march=target)
+    x, w13, w2, topk_weights, topk_ids = make_problem(9, 2, dtype)
+    (b13, b2), w13_src, w2_src = expert_biases(dtype), w13.to(src_dtype), w2.to(src_dtype)
+    whole = CpuFusedMoE(w13_src.to(dtype), w2_src.to(dtype), library, "silu", b13, b2)
+    slots = CpuFusedMoE(torch.zeros_like(w13), torch.zeros_like(w2), library, "silu", b13 * 0, b2 * 0)
+    for e in reversed(range(NUM_EXPERTS)):
+        slots.set_expert(e, w13_src[e], w2_src[e], b13[e], b2[e])
+    assert torch.equal(slots.w13, whole.w13) and torch.equal(slots.w2, whole.w2)
+    assert torch.equal(slots.b13, whole.b13) and torch.equal(slots.b2, whole.b2)
+    assert torch.equal(slots(x, topk_weights, topk_ids), whole(x, topk_weights, topk_ids))

@@ -197,7 +197,50 @@ void fused_moe(const A *x, const int64_t *topk_ids, const float *topk_weights, c
     combine(rows.data(), topk_ids, topk_weights, s, out, num_threads);
 }
 
+// One expert's weights into a slot of the packed layouts (offloaded experts, moe/offload/): w13 [2I, H], gate
+// rows then up rows, -> [I / HALF][H / pair][PANEL][pair]; w2 [H, I] -> [H / PANEL][I / pair][PANEL][pair];
+// pair is 2 for bf16 weights packed in k-pairs, else 1. Source rows are read in order, the stores scattered.
+int64_t gate_up_col(int64_t row, int64_t inter);
+int64_t plain_col(int64_t row, int64_t);
+
+template <typename T, int PAIR>
+void pack_rows(const T *w, int64_t rows, int64_t k, T *out, int64_t (*panel_col)(int64_t, int64_t), int64_t arg) {
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t col = panel_col(row, arg);
+        T *dst = out + col / PANEL * k * PANEL + col % PANEL * PAIR;
+        const T *src = w + row * k;
+        for (int64_t i = 0; i < k; i += PAIR, dst += PANEL * PAIR)
+            for (int r = 0; r < PAIR; r++) dst[r] = src[i + r];
+    }
+}
+
+template <typename T, int PAIR>
+void pack_expert(const T *w13, const T *w2, T *p13, T *p2, int64_t inter, int64_t hidden) {
+    pack_rows<T, PAIR>(w13, 2 * inter, hidden, p13, gate_up_col, inter);
+    pack_rows<T, PAIR>(w2, hidden, inter, p2, plain_col, 0);
+}
+
+// w13's row -> its column among the packed panels: gate row r in panel r / HALF at r % HALF, up row I + r
+// in the same panel at HALF + r % HALF
+int64_t gate_up_col(int64_t row, int64_t inter) {
+    const int64_t r = row < inter ? row : row - inter;
+    return r / HALF * PANEL + (row < inter ? 0 : HALF) + r % HALF;
+}
+
+int64_t plain_col(int64_t row, int64_t) { return row; }
+
 }  // namespace
+
+extern "C" void fused_moe_pack_expert(const void *w13, const void *w2, void *p13, void *p2, int64_t inter,
+                                      int64_t hidden, int64_t elem_size, int64_t pair) {
+    using U16 = uint16_t;
+    if (elem_size == 4)
+        pack_expert<float, 1>((const float *)w13, (const float *)w2, (float *)p13, (float *)p2, inter, hidden);
+    else if (pair == 2)
+        pack_expert<U16, 2>((const U16 *)w13, (const U16 *)w2, (U16 *)p13, (U16 *)p2, inter, hidden);
+    else
+        pack_expert<U16, 1>((const U16 *)w13, (const U16 *)w2, (U16 *)p13, (U16 *)p2, inter, hidden);
+}
 
 extern "C" int fused_moe_panel() { return PANEL; }
 extern "C" int fused_moe_bf16_pairs() { return PAIRS; }  // bf16 weights packed in k-pairs
