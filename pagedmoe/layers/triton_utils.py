@@ -37,6 +37,8 @@ class Kernel:
 
 
 class Interpreted:
+    """`[grid](...)` launches through Triton's interpreter, its library device functions interpreted too."""
+
     def __init__(self, fn):
         self.fn = fn
 
