@@ -10,6 +10,7 @@ from pagedmoe.kv_transfer.kv_events import parse_kv_events_config
 from pagedmoe.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 GIB = 1 << 30
+BACKENDS = ("auto", "torch", "triton")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -44,6 +45,10 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     cpu_attention_kernel: bool = True  # CPU: decode attention reads KV blocks in place (C++, built on first use)
     cpu_moe_kernel: bool = True  # CPU: decode-sized MoE batches run all experts in one C++ call (built on first use)
+    attention_backend: str = "auto"  # "triton", "torch" or "auto": Triton kernels on CUDA, PyTorch + C++ on CPU
+    moe_backend: str = "auto"  # routed experts: "triton", "torch" or "auto" (the same choice as attention's)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (CPU never uses them)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cpu_linear_kernel: bool = True  # CPU: decode-sized float32 linears run on a C++ tile GEMM (built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
@@ -99,6 +104,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name in ("attention_backend", "moe_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

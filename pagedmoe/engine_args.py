@@ -1,5 +1,5 @@
-"""vLLM's engine arguments that EngineConfig has no field for: mapped onto one (gpu_memory_utilization),
-checked (tokenizer_mode) or accepted without effect on CPU."""
+"""vLLM's engine arguments that EngineConfig has no field for, or whose meaning differs on CPU: mapped onto a
+field (gpu_memory_utilization on CPU), checked (tokenizer_mode) or accepted without effect."""
 import logging
 from dataclasses import fields
 
@@ -20,12 +20,10 @@ def engine_config(model: str, **kwargs) -> EngineConfig:
 def _map_vllm_args(kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     _check_tokenizer_mode(kwargs.pop("tokenizer_mode", "auto"))
-    if kwargs.pop("enforce_eager", None) is not None:
-        logger.info("enforce_eager is ignored: pagedmoe always runs eagerly (no CUDA graphs)")
     if kwargs.pop("trust_remote_code", False):
         logger.info("trust_remote_code is ignored: pagedmoe never runs a checkpoint's code")
     kwargs.pop("disable_log_stats", None)  # pagedmoe logs no periodic stats
-    if "gpu_memory_utilization" in kwargs:
+    if "gpu_memory_utilization" in kwargs and kwargs.get("device", "cpu") == "cpu":
         kwargs["kv_cache_memory_fraction"] = _memory_fraction(kwargs)
     return kwargs
 
@@ -40,7 +38,8 @@ def _check_tokenizer_mode(mode):
 
 
 def _memory_fraction(kwargs: dict) -> float:
-    """vLLM's gpu_memory_utilization: here the fraction of available memory the KV pool may take."""
+    """vLLM's gpu_memory_utilization on CPU: the fraction of available memory the KV pool may take (on CUDA
+    it is EngineConfig's field of that name)."""
     value = kwargs.pop("gpu_memory_utilization")
     if "kv_cache_memory_fraction" in kwargs:
         raise ValueError("gpu_memory_utilization: give it or kv_cache_memory_fraction, not both")

@@ -10,6 +10,7 @@ from conftest import assert_all_blocks_free
 from pagedmoe import (DEFAULT_MODEL, LLM, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt)
 from pagedmoe.config import GIB
 from pagedmoe.engine_args import engine_config
+from pagedmoe.entrypoints.cli import build_parser, engine_kwargs
 from pagedmoe.logprobs import Logprob
 from pagedmoe.sampling_params import BeamSearchParams
 
@@ -46,10 +47,21 @@ def test_engine_args_take_vllm_meaning(llm):
 
 def test_ignored_engine_args_log_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="pagedmoe.engine_args"):
-        engine_config(DEFAULT_MODEL, enforce_eager=True, trust_remote_code=True, disable_log_stats=False)
+        config = engine_config(DEFAULT_MODEL, enforce_eager=True, trust_remote_code=True, disable_log_stats=False)
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2
-    assert "enforce_eager is ignored" in messages[0] and "trust_remote_code is ignored" in messages[1]
+    assert len(messages) == 1 and "trust_remote_code is ignored" in messages[0]
+    assert config.enforce_eager  # a field now: it turns CUDA graphs off
+
+
+def test_gpu_path_flags_reach_the_config():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--gpu-memory-utilization", "0.5",
+                                      "--attention-backend", "triton", "--moe-backend", "torch", "--enforce-eager"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == dict(gpu_memory_utilization=0.5, attention_backend="triton", moe_backend="torch",
+                          enforce_eager=True)
+    config = engine_config(DEFAULT_MODEL, **kwargs)
+    assert config.kv_cache_memory_fraction == 0.5  # on CPU vLLM's flag sizes the KV pool from free memory
+    assert (config.attention_backend, config.moe_backend, config.enforce_eager) == ("triton", "torch", True)
 
 
 @pytest.mark.parametrize("args, field", [
@@ -57,6 +69,9 @@ def test_ignored_engine_args_log_one_line(caplog):
     (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=0, device="cuda"), "gpu_memory_utilization"),
+    (dict(attention_backend="flash"), "attention_backend"),
+    (dict(moe_backend="cutlass"), "moe_backend"),
     (dict(swap_space=-1), "swap_space"),
     (dict(pipeline_parallel_sise=1), "pipeline_parallel_sise"),
 ])

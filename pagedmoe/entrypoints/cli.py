@@ -27,8 +27,10 @@ def _arg_type(field):
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"}
-    return {name: getattr(args, name) for name in names}
+    """The flags given other values than their field's default (so vLLM's mapped arguments, such as
+    gpu_memory_utilization on CPU, meet no default of the field they map onto)."""
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+    return {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) != f.default}
 
 
 def cmd_generate(args):

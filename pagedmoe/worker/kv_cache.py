@@ -15,6 +15,8 @@ class KVCacheStorage:
     a host pool of the same block shape (swap preemption and the offload tier share it) and an optional
     disk tier (one safetensors file per block hash). Every block copy goes through `_copy_blocks`."""
 
+    copy_kernel = None  # copies within the device pool: Triton's (triton_cache_ops.copy_blocks) where it runs
+
     def __init__(self, num_layers: int, num_kv_tensors: int, token_shape: tuple[int, ...], num_blocks: int,
                  num_host_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  disk_dir: str | None = None):
@@ -41,7 +43,10 @@ class KVCacheStorage:
         _copy_blocks(device, host, transfers.offload)
         _copy_blocks(device, host, transfers.swap_out)
         _copy_blocks(host, device, transfers.swap_in)
-        _copy_blocks(device, device, transfers.copy)
+        if self.copy_kernel is not None:
+            self.copy_kernel(device, transfers.copy)
+        else:
+            _copy_blocks(device, device, transfers.copy)
         _copy_blocks(host, device, transfers.load_host)
 
     def _path(self, block_hash: bytes) -> str:

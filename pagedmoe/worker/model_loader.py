@@ -7,11 +7,13 @@ import torch
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
+from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.offload.setup import offload_experts
 from pagedmoe.layers.moe.offload.store import expert_refs
 from pagedmoe.layers.quantization.checkpoint import checkpoint_tensors
 from pagedmoe.layers.quantization.config import check_requested, read_quantization_config
 from pagedmoe.models.registry import resolve_model_class
+from pagedmoe.worker.backends import select_moe_backend
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +48,19 @@ def prepare_model(config: EngineConfig, rank=None) -> torch.nn.Module:
 
 
 def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:
+    triton_moe = select_moe_backend(config) == "triton"
+    if triton_moe:  # before packing: the Triton experts read the plain weights, no packed copies are kept
+        for layer in model.modules():
+            if isinstance(layer, FusedMoE):
+                layer.use_triton()
     if config.prepack_weights:
         pack_weights(model)
     if torch.device(config.device).type == "cpu":
         try:
             if config.cpu_linear_kernel:
                 attach_cpu_kernels(model, {"linear"})
-            if config.cpu_moe_kernel:  # at every size: one call for all experts beats a matmul per expert
+            # at every size: one call for all experts beats a matmul per expert
+            if config.cpu_moe_kernel and not triton_moe:
                 attach_cpu_kernels(model, {"moe"}, min_bytes=0)
         except RuntimeError as error:
             logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)

@@ -18,6 +18,8 @@ from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedmoe.memory import keep_freed_memory
 from pagedmoe.spec_decode.proposer import make_drafter
 from pagedmoe.worker.cpu_threads import ThreadGovernor, default_num_threads
+from pagedmoe.worker.backends import select_attention_backend
+from pagedmoe.worker.cuda_graph import make_decode_graphs
 from pagedmoe.worker.inputs import prepare_inputs
 from pagedmoe.worker.kv_cache import KVCacheStorage, available_memory, block_bytes
 from pagedmoe.worker.logits_constraints import apply_logits_processors, grammar_bitmask, logit_bias
@@ -71,16 +73,22 @@ class ModelRunner:
             num_threads = config.num_threads or max(default_num_threads() // self.rank.world_size, 1)
             self.threads = ThreadGovernor(num_threads, config.adaptive_threads)
         self.model = prepare_model(config, self.rank)
+        self.triton_attention = select_attention_backend(config) == "triton"
         self.drafter = make_drafter(config, self.model)  # a draft model, with KV of its own in the same blocks
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.sliding_window, self.layer_slots = self._hybrid_kv_layout()
         self.num_kv_layers = max(self.layer_slots) + 1 if self.layer_slots else config.hf_config.num_hidden_layers
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.kv_cache = self._kv_storage(config)
+        if self.triton_attention:
+            from pagedmoe.layers.attention.triton_cache_ops import copy_blocks
+            self.kv_cache.copy_kernel = copy_blocks
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.num_host_blocks, self.decode_kernel)
+        self.decode_graphs = make_decode_graphs(config, self.model, self.kv_cache.device_cache, self.workspace,
+                                                self.triton_attention, self.drafter is not None)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         moe_layers = getattr(self.model, "moe_layers", [])
         self.expert_load_shape = (len(moe_layers), moe_layers[0].num_experts) if moe_layers else None
@@ -145,7 +153,8 @@ class ModelRunner:
             self.kv_connector.shutdown()
 
     def _decode_kernel(self) -> PagedDecodeKernel | None:
-        if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1:
+        if not self.config.cpu_attention_kernel or self.device.type != "cpu" or self.num_kv_tensors == 1 \
+                or self.triton_attention:
             return None
         if self.config.torch_dtype not in ENTRY_POINTS:
             return None
@@ -181,12 +190,21 @@ class ModelRunner:
         num_host = max(cfg.swap_space_bytes // self.block_bytes, 1)
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks, num_host
-        budget = cfg.kv_cache_memory or int(available_memory(self.device) * cfg.kv_cache_memory_fraction)
+        budget = cfg.kv_cache_memory or self._kv_budget()
         useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size) * (2 if self.layer_slots else 1)
         num_blocks = min(budget // self.block_bytes, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block of {self.block_bytes} bytes")
         return num_blocks, num_host
+
+    def _kv_budget(self) -> int:
+        """CUDA: what gpu_memory_utilization leaves after a profiled forward (one rank: several would each
+        need to run it); elsewhere a share of free memory."""
+        if self.device.type == "cuda" and self.rank.world_size == 1:
+            from pagedmoe.worker.device_memory import profiled_kv_budget
+            kv_layout = (self.num_kv_layers, self.num_kv_tensors, self.token_shape)
+            return profiled_kv_budget(self.config, self.model, kv_layout, self.triton_attention)
+        return int(available_memory(self.device) * self.config.kv_cache_memory_fraction)
 
     def save_kv(self, save):
         """A KV connector's save of a finished request's prompt KV (before its blocks are freed)."""
@@ -303,10 +321,14 @@ class ModelRunner:
         input_ids, positions, meta = self._inputs(plan.token_lists, plan.starts, plan.block_tables)
         if plan.window_tables is not None:
             meta.window = self._inputs(plan.token_lists, plan.starts, plan.window_tables)[2]
-        if self.expert_load_shape:
+        graph_size = self.decode_graphs.size_for(meta, len(input_ids)) if self.decode_graphs is not None else None
+        if self.expert_load_shape and graph_size is None:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
         meta.aux_hidden_layers = self.drafter.aux_layers if self.drafter is not None else ()
-        hidden = self.model(input_ids, positions, meta)
+        if graph_size is not None:
+            hidden = self.decode_graphs.replay(input_ids, positions, meta, graph_size)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         rows = [torch.tensor(r, dtype=torch.long, device=self.device) for r in plan.logits_rows]
         return hidden, meta, [self.model.compute_logits(hidden[r]) for r in rows]
 
@@ -327,7 +349,8 @@ class ModelRunner:
 
     def _inputs(self, token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]]):
         input_ids, positions, meta = prepare_inputs(token_lists, starts, block_tables, self.config.block_size,
-                                                    self.kv_cache.device_cache, self.workspace, self.decode_kernel)
+                                                    self.kv_cache.device_cache, self.workspace, self.decode_kernel,
+                                                    self.triton_attention)
         meta.layer_slots = self.layer_slots
         return input_ids, positions, meta
 

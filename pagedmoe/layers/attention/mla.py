@@ -18,6 +18,9 @@ class MLAPagedAttention:
 
     def __call__(self, q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
+        if meta.triton is not None:
+            return meta.triton.attend_latent(torch.cat((q_latent, q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1),
+                                             meta.layer_cache(self.layer_idx), self.kv_lora_rank, self.scale)
         cache = meta.layer_cache(self.layer_idx)[0]
         cache.view(-1, self.entry_size).index_copy_(0, meta.slot_mapping, torch.cat((latent, k_pe), dim=-1))
         q = torch.cat((q_latent, q_pe), dim=-1)

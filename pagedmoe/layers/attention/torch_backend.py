@@ -26,6 +26,8 @@ class TorchPagedAttention:
                  sinks: torch.Tensor | None = None):
         meta = meta.for_layer(self.window)
         cache = meta.layer_cache(self.layer_idx)
+        if meta.triton is not None:
+            return meta.triton.attend(q, k, v, cache, self.scale, self.window, sinks)
         if not cpu_ops.write_kv(cache, k, v, meta.slot_mapping):
             for half, new in zip(cache.split(self.num_kv_heads), (k, v)):
                 half.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, new.transpose(0, 1))

@@ -78,8 +78,14 @@ class FusedMoE(nn.Module):
     fp4_experts: tuple[list[PackedFp4Weight], list[PackedFp4Weight]] | None = None  # 4-bit, from the checkpoint
     expert_cache = None  # offloaded experts: a pool of slots filled from the checkpoint (offload/)
 
+    triton_experts = None  # the Triton fused-MoE kernels (triton_moe.py), where the moe backend is "triton"
+
+    def use_triton(self):
+        from pagedmoe.layers.moe.triton_moe import triton_fused_experts
+        self.triton_experts = triton_fused_experts
+
     def pack(self, min_bytes: int = 0):
-        if self.fp4_experts is not None or self.expert_cache is not None:
+        if self.fp4_experts is not None or self.expert_cache is not None or self.triton_experts is not None:
             return
         if can_pack(self.w13[0]) and can_pack(self.w2[0]) and nbytes(self.w2[0]) >= min_bytes:
             self.packed_experts = ([pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2])
@@ -108,6 +114,9 @@ class FusedMoE(nn.Module):
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if self.expert_cache is not None:
             return self.expert_cache.forward(x, topk_weights, topk_ids, ACTIVATIONS[self.activation]).to(x.dtype)
+        if self.triton_experts is not None and self.fp4_experts is None:
+            return self.triton_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
+                                       self.w13_bias, self.w2_bias).to(x.dtype)
         if self.fp4_moe is not None and topk_ids.numel() <= fp4_linear.MAX_DOT_ROWS * self.num_experts:
             return self.fp4_moe(x, topk_weights, topk_ids).to(x.dtype)
         if self.fp4_experts is not None:
