@@ -39,14 +39,27 @@ struct Shape {
     float eps, scale;
 };
 
-// y[o] = W[o] . x for a row-major [out, in] W. (Measured against an [in, out] axpy form with register
-// accumulators: no faster, both stream the weights from L2.)
+// y[o] = W[o] . x for a row-major [out, in] W, four rows at a time: one row's dot product is a chain of
+// dependent FMAs ending in a horizontal sum, and four independent chains hide each other's latency (the LM
+// head, 2048 short rows, ran at a quarter of the speed one row at a time).
 void gemv(const float *w, const float *x, float *y, int64_t out, int64_t in) {
-    for (int64_t o = 0; o < out; o++) {
-        const float *row = w + o * in;
+    int64_t o = 0;
+    for (; o + 4 <= out; o += 4) {
+        const float *r0 = w + o * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int64_t i = 0; i < in; i++) {
+            d0 += r0[i] * x[i];
+            d1 += r1[i] * x[i];
+            d2 += r2[i] * x[i];
+            d3 += r3[i] * x[i];
+        }
+        y[o] = d0, y[o + 1] = d1, y[o + 2] = d2, y[o + 3] = d3;
+    }
+    for (; o < out; o++) {
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < in; i++) dot += row[i] * x[i];
+        for (int64_t i = 0; i < in; i++) dot += w[o * in + i] * x[i];
         y[o] = dot;
     }
 }
