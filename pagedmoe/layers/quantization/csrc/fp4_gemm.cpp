@@ -19,6 +19,13 @@
 
 #include "../../csrc/tile_gemm.h"
 
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define FP4_VNNI512 1
+constexpr bool PAIRED = true;  // activations laid out for the 512-bit step (q_index)
+#else
+constexpr bool PAIRED = false;
+#endif
+
 namespace {
 
 constexpr int64_t ACT_BLOCK = 32;
@@ -54,7 +61,15 @@ struct ScaleTables {
 };
 const ScaleTables SCALES;
 
-// x [m, k] float32 -> q [m, k] int8 (each 32-block evens then odds) and d [m, k / 32].
+// Where element j of 32-block b goes in its row of q: each block's evens, then its odds; for the 512-bit step
+// a pair of blocks (2p, 2p + 1) holds both blocks' evens, then both blocks' odds, so that one 512-bit shuffle
+// decodes both blocks' weight bytes in that order (a last unpaired block stays evens then odds).
+inline int64_t q_index(int64_t b, int j, int64_t blocks) {
+    if (!PAIRED || (b == blocks - 1 && blocks % 2)) return b * ACT_BLOCK + (j % 2) * 16 + j / 2;
+    return (b & ~int64_t(1)) * ACT_BLOCK + (j % 2) * 32 + (b & 1) * 16 + j / 2;
+}
+
+// x [m, k] float32 -> q [m, k] int8 (laid out by q_index) and d [m, k / 32].
 void quantize_rows(const float *x, const Shape &s, int8_t *q, float *d, int num_threads = 1) {
     const int64_t blocks = s.k / ACT_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (s.m * blocks >= 1024)
@@ -64,10 +79,24 @@ void quantize_rows(const float *x, const Shape &s, int8_t *q, float *d, int num_
         for (int j = 0; j < ACT_BLOCK; j++) amax = std::max(amax, std::fabs(src[j]));
         d[i] = amax / 127.0f;
         const float inverse = amax > 0 ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < ACT_BLOCK; j++)
-            q[i * ACT_BLOCK + (j % 2) * 16 + j / 2] = int8_t(std::nearbyint(src[j] * inverse));
+        int8_t *row = q + (i - i % blocks) * ACT_BLOCK;
+        for (int j = 0; j < ACT_BLOCK; j++) row[q_index(i % blocks, j, blocks)] = int8_t(std::nearbyint(src[j] * inverse));
     }
 }
+
+// Quantised activation rows as the dot products read them: q and d from quantize_rows and, for the 512-bit
+// VNNI step, per row and pair of blocks its 16 lanes' start (-12 x the lane's four activations).
+struct Acts {
+    const int8_t *q;
+    const float *d;
+    const int32_t *start;
+    int64_t blocks;
+
+    Acts at(int64_t row) const {  // the rows from `row` on
+        return {q + row * blocks * ACT_BLOCK, d + row * blocks, start ? start + row * (blocks / 2) * 16 : nullptr,
+                blocks};
+    }
+};
 
 // The weight scales of one 32-block, one per 4-element lane group as the integer dot products leave them:
 // lanes 0-1 and 4-5 hold the first 16 elements, lanes 2-3 and 6-7 the second (NVFP4 has a scale per 16).
@@ -112,9 +141,11 @@ inline __m256 block_scales(const uint8_t *scales, int64_t b, const Shape &s) {
 
 // 32-blocks [b0, b1) of R activation rows against one weight row, into 8-lane accumulators.
 template <int R>
-void dot_blocks(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-                int64_t b0, int64_t b1, __m256 *acc) {
-    const int64_t blocks = s.k / ACT_BLOCK;
+void dot_blocks(const Acts &a, const uint8_t *codes, const uint8_t *scales, const Shape &s, int64_t b0, int64_t b1,
+                __m256 *acc) {
+    const int64_t blocks = a.blocks;
+    const int8_t *q = a.q;
+    const float *d = a.d;
     for (int64_t b = b0; b < b1; b++) {
         const __m256i w = decode_block(codes + b * 16);
         const __m256 ws = block_scales(scales, b, s);
@@ -126,61 +157,114 @@ void dot_blocks(const int8_t *q, const float *d, const uint8_t *codes, const uin
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// Two 32-blocks' weights as one 512-bit vector: [block 0 evens, block 0 odds, block 1 evens, block 1 odds].
+#if defined(FP4_VNNI512)
+// Two 32-blocks' weights as one 512-bit vector, [block 0 evens, block 1 evens, block 0 odds, block 1 odds], each
+// value + 12 (0..24) so that vpdpbusd can take the weights as its unsigned operand and the activations as they
+// are: the lane's -12 x (sum of its activations) start, computed once per activation row (pair_starts), undoes
+// the offset for every weight row.
+const int8_t OFFSET_DOUBLED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
 inline __m512i decode_pair(const uint8_t *codes) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(DOUBLED)));
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes)), low = _mm256_set1_epi8(0x0F);
-    const __m256i evens = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low));
-    const __m256i odds = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low));
-    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(evens), order, _mm512_castsi256_si512(odds));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(OFFSET_DOUBLED)));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes));
+    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F)));
 }
 
-inline __m512 two_halves(__m256 first, __m256 second) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(first), second, 1);
+// start of rows [0, m) (Acts).
+void pair_starts(const int8_t *q, int64_t m, int64_t blocks, int32_t *start) {
+    const int64_t pairs = blocks / 2;
+    const __m512i twelves = _mm512_set1_epi8(12), zero = _mm512_setzero_si512();
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512i x = _mm512_loadu_si512(q + (r * blocks + 2 * p) * ACT_BLOCK);
+            _mm512_storeu_si512(start + (r * pairs + p) * 16,
+                                _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, twelves, x)));
+        }
 }
 
-// 512 bits a step: vpdpbusd multiplies unsigned by signed bytes, so the activations enter as q + 128 and each
-// lane's sum starts at -128 * (its weights' sum), which one more vpdpbusd (by ones) gives for all rows.
+
+// 16 scale bytes of a weight row from `first` on (`count` of them, the rest zero) as floats, up to a power of two
+// (lane_factor): E8M0 e -> 2^(e - 127) as the float bits e << 23 (e = 0, 2^-127, becomes 0); E4M3 ->
+// the float16 with the same bits below the sign moved up 7 (its exponent bias is 15 against E4M3's 7, the
+// mantissa 3 bits at the top of 10, subnormals included), 2^-8 of the value.
+inline __m512 scale_chunk(const uint8_t *scales, int64_t first, int64_t count, const Shape &s) {
+    const __m128i bytes = _mm_maskz_loadu_epi8(count >= 16 ? 0xFFFF : (1u << count) - 1, scales + first);
+    if (s.scale_kind == 0) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23));
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+
+inline float lane_factor(const Shape &s) { return s.scale_kind == 0 ? 0.5f : 128.0f; }  // the doubled values' 1/2 too
+
+// The activation scale d of the block each of a chunk's 16 weight scales covers, times lane_factor.
+inline __m512 chunk_d(const float *d, int64_t first_block, int64_t count, const Shape &s) {
+    if (s.block == 32)
+        return _mm512_mul_ps(_mm512_maskz_loadu_ps(count >= 16 ? 0xFFFF : (1u << count) - 1, d + first_block),
+                             _mm512_set1_ps(lane_factor(s)));
+    const int64_t blocks = (count + 1) / 2;  // NVFP4: two scales a block
+    const __m512 loaded = _mm512_maskz_loadu_ps((1u << blocks) - 1, d + first_block);
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_mul_ps(_mm512_permutexvar_ps(twice, loaded), _mm512_set1_ps(lane_factor(s)));
+}
+
+// Lane l of a pair's dot products takes scale PATTERN[l] + step * (pair within its scale chunk): lanes 0-3 are
+// the first block's evens, 4-7 the second's, 8-11 and 12-15 their odds; NVFP4's scale per 16 splits each
+// block's four lanes A A B B.
+inline __m512i scale_pattern(const Shape &s) {
+    return s.block == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                         : _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);
+}
+
+// 512 bits (two blocks) a step, the tail block 256. Each chunk of 16 weight scales is multiplied by the
+// activations' d once, so that a step's lanes take their whole scale with one permute.
 template <int R>
-void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-             float *sums) {
-    const int64_t blocks = s.k / ACT_BLOCK, pairs = blocks / 2;
-    const __m512i flip = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
-    __m512 acc[R];
+void dot_row(const Acts &a, const uint8_t *codes, const uint8_t *scales, const Shape &s, float *sums) {
+    const int64_t pairs = a.blocks / 2, scales_per_pair = s.block == 32 ? 2 : 4, chunk = 16 / scales_per_pair;
+    const __m512i pattern = scale_pattern(s), step = _mm512_set1_epi32(int(scales_per_pair));
+    __m512 acc[R], table[R];
     __m256 tail[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
-        const __m512i w = decode_pair(codes + p * 32);
-        const __m512i start = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w), 7));
-        const __m512 ws = two_halves(block_scales(scales, 2 * p, s), block_scales(scales, 2 * p + 1, s));
-        for (int r = 0; r < R; r++) {
-            const __m512i x = _mm512_loadu_si512(q + (r * blocks + 2 * p) * ACT_BLOCK);
-            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
-            const float *dr = d + r * blocks + 2 * p;
-            const __m512 scale = _mm512_mul_ps(ws, two_halves(_mm256_set1_ps(dr[0]), _mm256_set1_ps(dr[1])));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    for (int64_t c = 0; c < pairs; c += chunk) {
+        const int64_t end = std::min(pairs, c + chunk), count = (end - c) * scales_per_pair;
+        const __m512 weight_scales = scale_chunk(scales, c * scales_per_pair, count, s);
+        for (int r = 0; r < R; r++)
+            table[r] = _mm512_mul_ps(weight_scales, chunk_d(a.d + r * a.blocks, 2 * c, count, s));
+        __m512i index = pattern;
+        for (int64_t p = c; p < end; p++, index = _mm512_add_epi32(index, step)) {
+            const __m512i w = decode_pair(codes + p * 32);
+            for (int r = 0; r < R; r++) {
+                const __m512i x = _mm512_loadu_si512(a.q + (r * a.blocks + 2 * p) * ACT_BLOCK);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.start + (r * pairs + p) * 16), w, x);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, table[r]), acc[r]);
+            }
         }
     }
-    dot_blocks<R>(q, d, codes, scales, s, 2 * pairs, blocks, tail);
+    dot_blocks<R>(a, codes, scales, s, 2 * pairs, a.blocks, tail);
     for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]) + sum_lanes(tail[r]);
 }
+
 #else
+inline void pair_starts(const int8_t *, int64_t, int64_t, int32_t *) {}
+
 template <int R>
-void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-             float *sums) {
+void dot_row(const Acts &a, const uint8_t *codes, const uint8_t *scales, const Shape &s, float *sums) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    dot_blocks<R>(q, d, codes, scales, s, 0, s.k / ACT_BLOCK, acc);
+    dot_blocks<R>(a, codes, scales, s, 0, a.blocks, acc);
     for (int r = 0; r < R; r++) sums[r] = sum_lanes(acc[r]);
 }
 #endif
 #else
+inline void pair_starts(const int8_t *, int64_t, int64_t, int32_t *) {}
+
 template <int R>
-void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-             float *sums) {
-    const int64_t blocks = s.k / ACT_BLOCK;
+void dot_row(const Acts &a, const uint8_t *codes, const uint8_t *scales, const Shape &s, float *sums) {
+    const int64_t blocks = a.blocks;
+    const int8_t *q = a.q;
+    const float *d = a.d;
     float lanes[8];
     for (int r = 0; r < R; r++) sums[r] = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
@@ -202,32 +286,48 @@ void dot_row(const int8_t *q, const float *d, const uint8_t *codes, const uint8_
 
 // Rows [r0, r0 + R) of the activations against output rows [n0, n1).
 template <int R>
-void dot_rows(const int8_t *q, const float *d, const uint8_t *codes, const uint8_t *scales, const Shape &s,
-              int64_t r0, int64_t n0, int64_t n1, const float *row_scale, float *out) {
-    const int64_t blocks = s.k / ACT_BLOCK;
+void dot_rows(const Acts &a, const uint8_t *codes, const uint8_t *scales, const Shape &s, int64_t r0, int64_t n0,
+              int64_t n1, const float *row_scale, float *out) {
+    const Acts rows = a.at(r0);
     float sums[R];
     for (int64_t n = n0; n < n1; n++) {
-        dot_row<R>(q + r0 * s.k, d + r0 * blocks, codes + n * s.k / 2, scales + n * (s.k / s.block), s, sums);
+        dot_row<R>(rows, codes + n * s.k / 2, scales + n * (s.k / s.block), s, sums);
         const float scale = row_scale ? row_scale[n] : 1.0f;
         for (int r = 0; r < R; r++) out[(r0 + r) * s.n + n] = sums[r] * scale;
     }
 }
 
+// Activation rows quantised for the dot products, with their pair starts where the VNNI step reads them.
+struct QuantizedRows {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> start;
+
+    Acts quantize(const float *x, int64_t m, int64_t k, int num_threads) {
+        const int64_t blocks = k / ACT_BLOCK;
+        q.resize(m * k), d.resize(m * blocks);
+        quantize_rows(x, Shape{m, 0, k, 0, 0}, q.data(), d.data(), num_threads);
+        if (!PAIRED) return {q.data(), d.data(), nullptr, blocks};
+        start.resize(m * (blocks / 2) * 16);
+        pair_starts(q.data(), m, blocks, start.data());
+        return {q.data(), d.data(), start.data(), blocks};
+    }
+};
+
 constexpr int64_t ROW_CHUNK = 16;
 
 void fp4_gemm_impl(const float *x, const uint8_t *codes, const uint8_t *scales, const float *row_scale, float *out,
                    const Shape &s, int num_threads) {
-    std::vector<int8_t> q(s.m * s.k);
-    std::vector<float> d(s.m * (s.k / ACT_BLOCK));
-    quantize_rows(x, s, q.data(), d.data(), num_threads);
+    QuantizedRows rows;
+    const Acts a = rows.quantize(x, s.m, s.k, num_threads);
     const int64_t chunks = (s.n + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = std::min(s.n, n0 + ROW_CHUNK);
         int64_t r0 = 0;
         for (; r0 + ROWS <= s.m; r0 += ROWS)
-            dot_rows<ROWS>(q.data(), d.data(), codes, scales, s, r0, n0, n1, row_scale, out);
-        for (; r0 < s.m; r0++) dot_rows<1>(q.data(), d.data(), codes, scales, s, r0, n0, n1, row_scale, out);
+            dot_rows<ROWS>(a, codes, scales, s, r0, n0, n1, row_scale, out);
+        for (; r0 < s.m; r0++) dot_rows<1>(a, codes, scales, s, r0, n0, n1, row_scale, out);
     }
 }
 
@@ -264,24 +364,31 @@ PairBuckets bucket_pairs(const int64_t *topk_ids, const MoeShape &s) {
     return b;
 }
 
+// (expert, first output row) of every chunk of ROW_CHUNK rows of the experts that have pairs: idle experts
+// never reach the scheduler (16 experts x 72 chunks of a gate_up had cost ~40 us of task grabs a layer).
+std::vector<std::pair<int64_t, int64_t>> expert_tasks(const PairBuckets &b, int64_t num_experts, int64_t n) {
+    std::vector<std::pair<int64_t, int64_t>> tasks;
+    for (int64_t e = 0; e < num_experts; e++)
+        for (int64_t n0 = 0; b.start[e + 1] > b.start[e] && n0 < n; n0 += ROW_CHUNK) tasks.emplace_back(e, n0);
+    return tasks;
+}
+
 // out[i, :] for each sorted pair i = its quantised row (q, d, sorted) against expert(i)'s rows of w: [n, k].
-void experts_matmul(const int8_t *q, const float *d, const Fp4Experts &w, int64_t n, int64_t k,
-                    const PairBuckets &b, const MoeShape &ms, float *out, int num_threads) {
+void experts_matmul(const Acts &a, const Fp4Experts &w, int64_t n, int64_t k, const PairBuckets &b,
+                    const MoeShape &ms, float *out, int num_threads) {
     const Shape s{0, n, k, ms.block, ms.scale_kind};
-    const int64_t chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK, blocks = k / ACT_BLOCK;
+    const auto tasks = expert_tasks(b, ms.num_experts, n);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < ms.num_experts * chunks; task++) {
-        const int64_t e = task / chunks, n0 = task % chunks * ROW_CHUNK, n1 = std::min(n, n0 + ROW_CHUNK);
-        const int64_t first = b.start[e], count = b.start[e + 1] - first;
-        if (count == 0) continue;
+    for (size_t task = 0; task < tasks.size(); task++) {
+        const auto [e, n0] = tasks[task];
+        const int64_t n1 = std::min(n, n0 + ROW_CHUNK), first = b.start[e], count = b.start[e + 1] - first;
         const uint8_t *codes = w.codes + e * n * k / 2, *scales = w.scales + e * n * (k / ms.block);
         const float *row_scale = w.row_scale ? w.row_scale + e * n : nullptr;
-        const int8_t *qe = q + first * k;
-        const float *de = d + first * blocks;
+        const Acts rows = a.at(first);
         float *oe = out + first * n;
         int64_t r0 = 0;
-        for (; r0 + ROWS <= count; r0 += ROWS) dot_rows<ROWS>(qe, de, codes, scales, s, r0, n0, n1, row_scale, oe);
-        for (; r0 < count; r0++) dot_rows<1>(qe, de, codes, scales, s, r0, n0, n1, row_scale, oe);
+        for (; r0 + ROWS <= count; r0 += ROWS) dot_rows<ROWS>(rows, codes, scales, s, r0, n0, n1, row_scale, oe);
+        for (; r0 < count; r0++) dot_rows<1>(rows, codes, scales, s, r0, n0, n1, row_scale, oe);
     }
 }
 
@@ -311,13 +418,12 @@ void fp4_moe_impl(const float *x, const int64_t *topk_ids, const float *topk_wei
     std::vector<float> rows(pairs * s.hidden);
     for (int64_t i = 0; i < pairs; i++)
         std::memcpy(xs.data() + i * s.hidden, x + b.pairs[i] / s.top_k * s.hidden, sizeof(float) * s.hidden);
-    std::vector<int8_t> q(pairs * std::max(s.hidden, s.inter));
-    std::vector<float> d(pairs * std::max(s.hidden, s.inter) / ACT_BLOCK);
-    quantize_rows(xs.data(), Shape{pairs, 0, s.hidden, 0, 0}, q.data(), d.data(), num_threads);
-    experts_matmul(q.data(), d.data(), w13, 2 * s.inter, s.hidden, b, s, gate_up.data(), num_threads);
+    QuantizedRows quantized;
+    experts_matmul(quantized.quantize(xs.data(), pairs, s.hidden, num_threads), w13, 2 * s.inter, s.hidden, b, s,
+                   gate_up.data(), num_threads);
     activate(gate_up.data(), b, s, w13.bias, inter.data(), num_threads);
-    quantize_rows(inter.data(), Shape{pairs, 0, s.inter, 0, 0}, q.data(), d.data(), num_threads);
-    experts_matmul(q.data(), d.data(), w2, s.hidden, s.inter, b, s, rows.data(), num_threads);
+    experts_matmul(quantized.quantize(inter.data(), pairs, s.inter, num_threads), w2, s.hidden, s.inter, b, s,
+                   rows.data(), num_threads);
     for (int64_t t = 0; t < s.num_tokens; t++) {
         float *o = out + t * s.hidden;
         std::memset(o, 0, sizeof(float) * s.hidden);
