@@ -8,8 +8,10 @@ from pagedmoe.layers.activation import silu_and_mul
 from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
 from pagedmoe.layers.quantization.fp4_linear import fp4_linear
 
-PACK_MIN_BYTES = 1 << 20  # smaller weights stay in a core's L2, where MKL's per-call packing is cheap and
-#                           oneDNN's call overhead (~11 us more at one row) is not
+PACK_MIN_BYTES = 1 << 20  # smaller float32 weights stay in a core's L2, where MKL's per-call packing is cheap
+#                           and oneDNN's call overhead (~11 us more at one row) is not. bf16 weights take the
+#                           tile kernel at any size: F.linear's oneDNN bf16 path reorders the weight on every
+#                           call (Xeon with AMX: 576 x 576 at one row 45 us against 18; 128 x 128 26 against 13)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -54,11 +56,12 @@ class Linear(nn.Linear):
     def use_cpu_kernel(self, min_bytes: int = 0) -> bool:
         """Runs decode-sized inputs through the CPU tile-GEMM kernel and larger ones through MKL (as fast as
         oneDNN's packed copy there), so the weight is held twice, not three times. False where it does not
-        apply (dtype, shape, a weight under min_bytes)."""
+        apply (dtype, shape, a float32 weight under min_bytes)."""
         if self.fp4 is not None:
             return False
         panel = cpu_linear.load_library().linear_panel()
-        if cpu_linear.unsupported_reason(self.weight, panel) or nbytes(self.weight) < min_bytes:
+        small = self.weight.dtype == torch.float32 and nbytes(self.weight) < min_bytes
+        if cpu_linear.unsupported_reason(self.weight, panel) or small:
             return False
         if self.gated and self.bias is not None:
             return False
@@ -135,7 +138,7 @@ def pack_weights(model: nn.Module):
 
 def attach_cpu_kernels(model: nn.Module, kinds: set[str], min_bytes: int | None = None) -> int:
     """Gives every layer of these kinds ("linear", "moe") that a CPU tile kernel can run, and whose weight
-    matrices are at least min_bytes (default PACK_MIN_BYTES), its packed copy; returns how many.
+    float32 matrices are at least min_bytes (default PACK_MIN_BYTES), its packed copy; returns how many.
     RuntimeError where the kernels cannot be built."""
     min_bytes = PACK_MIN_BYTES if min_bytes is None else min_bytes
     layers = [m for m in model.modules() if getattr(m, "cpu_kernel_kind", None) in kinds]

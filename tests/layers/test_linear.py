@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedmoe import cpu_info
-from pagedmoe.layers import linear
-from pagedmoe.layers.linear import PACK_MIN_BYTES, Linear, MergedLinear, can_pack, pack_weights
+from pagedmoe.layers import cpu_linear, linear
+from pagedmoe.layers.linear import PACK_MIN_BYTES, Linear, MergedLinear, attach_cpu_kernels, can_pack, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.routers import RouterConfig
 
@@ -81,3 +81,17 @@ def test_forced_flags_never_grant_bf16_packing(monkeypatch):
     monkeypatch.setenv(cpu_info.FLAGS_ENV, "avx2 avx512f avx512bw avx512vl avx512dq amx_bf16")
     monkeypatch.setattr(cpu_info, "_torch_can_prepack_bf16", lambda: False)
     assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def test_small_bf16_weights_take_the_tile_kernel_and_small_float32_ones_do_not():
+    """PACK_MIN_BYTES keeps small float32 weights on MKL; a bf16 weight of any size takes the tile kernel where
+    the kernel runs bf16 at all (oneDNN's bf16 F.linear reorders the weight on every call), and its output is
+    F.linear's up to bf16 rounding of the float32 sums."""
+    torch.manual_seed(0)
+    small32, small16 = Linear(64, 64, bias=True), Linear(64, 64, bias=True).bfloat16()
+    attach_cpu_kernels(nn.ModuleDict({"a": small32, "b": small16}), {"linear"})
+    assert small32.cpu_kernel is None
+    assert (small16.cpu_kernel is not None) == (cpu_linear.CpuLinear(small16.weight).max_rows > 0)
+    x = torch.randn(3, 64).bfloat16()
+    expected = F.linear(x.float(), small16.weight.float(), small16.bias.float())
+    torch.testing.assert_close(small16(x).float(), expected, atol=2e-2, rtol=1e-2)
