@@ -6,8 +6,11 @@ steps after a change of mode, the gap doubling (up to MAX_PROBE_GAP) while the p
 A probe of speculation covers SPEC_PROBE_SEQS sequence-steps in at most SPEC_PROBE_STEPS steps (4 steps up to
 batch 4, one from batch 16 on), and
 its first step is measured with the drafter's catch-up over the positions skipped while plain (a real cost
-of switching, which grows with the batch). A new bucket starts from its nearest neighbour's choice. Outputs
-do not depend on the choice (verification is lossless), only speed does."""
+of switching, which grows with the batch). A probe measures its mode afresh (its stale sums are dropped), and
+no step counts for more than OUTLIER times its mode's estimate: a host that paused one plain step for 50 ms had
+made speculation look cheaper at batch 64, and plain decoding, no longer measured while speculating, stayed
+"slower" for hundreds of steps. A new bucket starts from its nearest neighbour's choice. Outputs do not depend
+on the choice (verification is lossless), only speed does."""
 from dataclasses import dataclass, field
 
 PROBE_EVERY, MAX_PROBE_GAP = 16, 1024
@@ -17,6 +20,7 @@ SPEC_PROBE_SEQS, SPEC_PROBE_STEPS = 16, 4  # a probe of speculation: this many s
 MARGIN = 0.9  # speculation is chosen only when it is measured this much cheaper per token: switching to it
 #               costs the drafter's catch-up, which the measurement sees once per probe
 DECAY = 0.7  # what a mode's sums keep of their past at each step of that mode
+OUTLIER = 2.0  # a step counts for at most this many times its mode's estimated seconds for its tokens
 
 
 def bucket_of(batch_size: int) -> int:
@@ -36,6 +40,8 @@ class Bucket:
     probe_left: int = 0  # further steps of the probe under way
 
     def record(self, speculated: bool, seconds: float, num_emitted: int):
+        if (estimate := self.seconds_per_token(speculated)) is not None:
+            seconds = min(seconds, OUTLIER * estimate * num_emitted)
         self.seconds[speculated] = DECAY * self.seconds[speculated] + seconds
         self.tokens[speculated] = DECAY * self.tokens[speculated] + num_emitted
         self.num_measured[speculated] += 1
@@ -60,7 +66,13 @@ class Bucket:
             return faster
         self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
         self.next_probe, self.probe_left = self.num_steps + self.probe_gap, self.probe_steps - 1 if not faster else 0
+        self.forget(not faster)
         return not faster
+
+    def forget(self, speculated: bool):
+        """A probe's mode is measured afresh: its sums date from before the gap."""
+        self.seconds[speculated] = self.tokens[speculated] = 0.0
+        self.num_measured[speculated] = 0
 
     def start_from(self, neighbour: "Bucket"):
         """A new bucket takes a neighbour's choice and probes the other mode PROBE_EVERY steps on: a draining

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.spec_decode.adaptive import (DECAY, MARGIN, MAX_PROBE_GAP, PROBE_EVERY, SPEC_PROBE_STEPS,
+from pagedmoe.spec_decode.adaptive import (DECAY, MARGIN, MAX_PROBE_GAP, OUTLIER, PROBE_EVERY, SPEC_PROBE_STEPS,
                                            AdaptiveSwitch, bucket_of)
 
 
@@ -91,6 +91,40 @@ def test_drafting_time_is_charged_to_the_step_that_verifies_the_drafts():
     bucket = switch.buckets[bucket_of(4)]
     assert bucket.seconds_per_token(False) == pytest.approx(0.02 / 4)
     assert bucket.seconds_per_token(True) == pytest.approx((0.02 - 0.01 + 0.03) / 8)
-    switch.record(4, True, 0.05, 2)  # a step that emitted 2 tokens weighs a quarter of one that emitted 8
-    want = (DECAY * 0.04 + 0.05 + 0.01) / (DECAY * 8 + 2)
+    switch.record(4, True, 0.005, 2)  # a step that emitted 2 tokens weighs a quarter of one that emitted 8
+    want = (DECAY * 0.04 + 0.005 + 0.01) / (DECAY * 8 + 2)
     assert bucket.seconds_per_token(True) == pytest.approx(want)
+
+
+def test_one_slow_step_counts_for_at_most_outlier_times_the_estimate():
+    switch = AdaptiveSwitch()
+    switch.record(64, False, 0.02, 64)
+    switch.record(64, False, 0.5, 64)  # the host paused
+    bucket = switch.buckets[bucket_of(64)]
+    want = (DECAY * 0.02 + OUTLIER * 0.02) / (DECAY * 64 + 64)
+    assert bucket.seconds_per_token(False) == pytest.approx(want)
+
+
+def test_a_paused_plain_step_does_not_lock_in_speculation_at_batch_64():
+    """Plain steps of 20 ms, speculating ones 60 ms for 2.5x the tokens (1.2x slower a token); the host pauses a
+    plain step for 300 ms every 40 steps. The switch keeps plain decoding and speculates only in its probes."""
+    switch = AdaptiveSwitch()
+    run_steps(switch, 64, {True: 0.06, False: 0.02}, 64)
+    chosen = []
+    for step in range(2000):
+        mode = switch.should_speculate(64)
+        chosen.append(mode)
+        seconds = 0.06 if mode else (0.3 if step % 40 == 0 else 0.02)
+        switch.record(64, mode, seconds, 160 if mode else 64)
+    probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    assert chosen.count(True) == len(probes) < 20
+
+
+def test_a_probe_measures_its_mode_afresh():
+    """Speculation measured slow for a long while, then cheap: the first probe after the change decides,
+    whatever the old sums held."""
+    switch = AdaptiveSwitch()
+    run_steps(switch, 8, {True: 0.05, False: 0.02}, 8 * PROBE_EVERY)
+    after = run_steps(switch, 8, {True: 0.005, False: 0.02}, 8 * PROBE_EVERY)
+    first_probe = after.index(True)
+    assert all(after[first_probe:first_probe + 4 * PROBE_EVERY])
