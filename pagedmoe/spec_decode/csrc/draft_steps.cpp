@@ -39,29 +39,37 @@ struct Shape {
     float eps, scale;
 };
 
-// y[o] = W[o] . x for a row-major [out, in] W, four rows at a time: one row's dot product is a chain of
-// dependent FMAs ending in a horizontal sum, and four independent chains hide each other's latency (the LM
-// head, 2048 short rows, ran at a quarter of the speed one row at a time).
-void gemv(const float *w, const float *x, float *y, int64_t out, int64_t in) {
-    int64_t o = 0;
-    for (; o + 4 <= out; o += 4) {
-        const float *r0 = w + o * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+// Four dot products of four weight rows with x (`in` long): one row's dot product is a chain of dependent FMAs
+// ending in a horizontal sum, and four at once hide each other's latency (the LM head's 2048 short rows ran at
+// a quarter of the speed one at a time).
+inline void dot4(const float *__restrict w, const float *__restrict x, int64_t in, float *__restrict out) {
+    const float *w0 = w, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
-        for (int64_t i = 0; i < in; i++) {
-            d0 += r0[i] * x[i];
-            d1 += r1[i] * x[i];
-            d2 += r2[i] * x[i];
-            d3 += r3[i] * x[i];
-        }
-        y[o] = d0, y[o + 1] = d1, y[o + 2] = d2, y[o + 3] = d3;
+    for (int64_t i = 0; i < in; i++) {
+        d0 += w0[i] * x[i];
+        d1 += w1[i] * x[i];
+        d2 += w2[i] * x[i];
+        d3 += w3[i] * x[i];
     }
-    for (; o < out; o++) {
-        float dot = 0.0f;
+    out[0] = d0, out[1] = d1, out[2] = d2, out[3] = d3;
+}
+
+// Y[r] = W X[r] for n rows of X ([n, in]) and a row-major [out, in] W, four weight rows at a time, each group
+// read once for all n rows (the rows a drafter catches up on share every weight: one GEMV a row streamed the
+// head n times). noclone: GCC's clone of it for constant arguments lost the vectorisation (4x slower).
+__attribute__((noclone)) void gemm_rows(const float *__restrict w, const float *__restrict x, float *__restrict y,
+                                        int64_t n, int64_t out, int64_t in) {
+    int64_t o = 0;
+    for (; o + 4 <= out; o += 4)
+        for (int64_t r = 0; r < n; r++) dot4(w + o * in, x + r * in, in, y + r * out + o);
+    for (; o < out; o++)
+        for (int64_t r = 0; r < n; r++) {
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < in; i++) dot += w[o * in + i] * x[i];
-        y[o] = dot;
-    }
+            for (int64_t i = 0; i < in; i++) dot += w[o * in + i] * x[r * in + i];
+            y[r * out + o] = dot;
+        }
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight.
@@ -117,81 +125,95 @@ void attend(const float *q, const float *cache, const int64_t *table, int64_t fi
     }
 }
 
+// The activations of up to `capacity` consecutive rows of one sequence, row after row.
 struct Scratch {
     std::vector<float> a, qkv, attn, x, normed, gate_up, scores, carry;
-    explicit Scratch(const Shape &s)
-        : a(2 * s.hidden), qkv((s.num_heads + 2 * s.num_kv_heads) * s.head_dim), attn(s.num_heads * s.head_dim),
-          x(s.hidden), normed(s.hidden), gate_up(2 * s.intermediate), scores(s.max_positions), carry(s.hidden) {}
+    Scratch(const Shape &s, int64_t capacity)
+        : a(capacity * 2 * s.hidden), qkv(capacity * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
+          attn(capacity * s.num_heads * s.head_dim), x(capacity * s.hidden), normed(capacity * s.hidden),
+          gate_up(capacity * 2 * s.intermediate), scores(s.max_positions), carry(s.hidden) {}
 };
 
-// q, k, v = W_qkv a (in_dim wide), per-head q / k norms where the layer has them, RoPE at position, k and v
-// into its slot of the layer's cache, attention from first; m.normed = W_o attn.
+// n rows at consecutive positions from `position`: q, k, v = W_qkv a (in_dim wide) for all of them, per-head
+// q / k norms where the layer has them, RoPE, k and v into their slots of the layer's cache; then each row
+// attends from first to its own position (the later rows' slots are not read); m.normed = W_o attn.
 void attention(const Layer &l, const float *cos_table, const float *sin_table, const Shape &s, float *cache,
-               const int64_t *table, int64_t first, int64_t position, const float *a, int64_t in_dim, Scratch &m) {
+               const int64_t *table, int64_t first, int64_t position, const float *a, int64_t in_dim, int64_t n,
+               Scratch &m) {
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
-    gemv(l.qkv, a, m.qkv.data(), q_size + 2 * kv_size, in_dim);
-    float *q = m.qkv.data(), *k = q + q_size;
-    for (int64_t head = 0; l.q_norm && head < s.num_heads + s.num_kv_heads; head++) {  // in place
-        float *v = q + head * s.head_dim;
-        rms_norm(v, head < s.num_heads ? l.q_norm : l.k_norm, v, s.head_dim, s.eps);
+    const int64_t width = q_size + 2 * kv_size, head_stride = s.num_blocks * s.block_size * s.head_dim;
+    gemm_rows(l.qkv, a, m.qkv.data(), n, width, in_dim);
+    for (int64_t r = 0, p = position; r < n; r++, p++) {
+        float *q = m.qkv.data() + r * width, *k = q + q_size;
+        for (int64_t head = 0; l.q_norm && head < s.num_heads + s.num_kv_heads; head++) {  // in place
+            float *v = q + head * s.head_dim;
+            rms_norm(v, head < s.num_heads ? l.q_norm : l.k_norm, v, s.head_dim, s.eps);
+        }
+        rotate(q, s.num_heads + s.num_kv_heads, cos_table + p * s.head_dim, sin_table + p * s.head_dim,
+               s.head_dim);  // q heads then k heads
+        const int64_t slot = table[p / s.block_size] * s.block_size + p % s.block_size;
+        for (int64_t kv = 0; kv < 2 * s.num_kv_heads; kv++)
+            std::memcpy(cache + kv * head_stride + slot * s.head_dim, k + kv * s.head_dim, sizeof(float) * s.head_dim);
     }
-    rotate(q, s.num_heads + s.num_kv_heads, cos_table + position * s.head_dim, sin_table + position * s.head_dim,
-           s.head_dim);  // q heads then k heads
-    const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
-    const int64_t slot = table[position / s.block_size] * s.block_size + position % s.block_size;
-    for (int64_t kv = 0; kv < 2 * s.num_kv_heads; kv++)
-        std::memcpy(cache + kv * head_stride + slot * s.head_dim, k + kv * s.head_dim, sizeof(float) * s.head_dim);
-    attend(q, cache, table, first, position + 1, s, m.scores.data(), m.attn.data());
-    gemv(l.o, m.attn.data(), m.normed.data(), s.hidden, q_size);
+    for (int64_t r = 0; r < n; r++)
+        attend(m.qkv.data() + r * width, cache, table, first, position + r + 1, s, m.scores.data(),
+               m.attn.data() + r * q_size);
+    gemm_rows(l.o, m.attn.data(), m.normed.data(), n, s.hidden, q_size);
 }
 
-// x += W_down (silu(gate) * up), in place.
-void mlp(const Layer &l, const Shape &s, Scratch &m) {
+// x += W_down (silu(gate) * up) for n rows, in place.
+void mlp(const Layer &l, const Shape &s, int64_t n, Scratch &m) {
     const int64_t h = s.hidden, inter = s.intermediate;
-    rms_norm(m.x.data(), l.post_norm, m.normed.data(), h, s.eps);
-    gemv(l.gate_up, m.normed.data(), m.gate_up.data(), 2 * inter, h);
-    float *act = m.gate_up.data();
-    for (int64_t i = 0; i < inter; i++) act[i] = act[i] / (1.0f + expf(-act[i])) * act[inter + i];
-    gemv(l.down, act, m.normed.data(), h, inter);
-    for (int64_t i = 0; i < h; i++) m.x[i] += m.normed[i];
+    for (int64_t r = 0; r < n; r++) rms_norm(m.x.data() + r * h, l.post_norm, m.normed.data() + r * h, h, s.eps);
+    gemm_rows(l.gate_up, m.normed.data(), m.gate_up.data(), n, 2 * inter, h);
+    for (int64_t r = 0; r < n; r++) {
+        float *gate = m.gate_up.data() + r * 2 * inter, *act = m.gate_up.data() + r * inter;  // act[i] <- gate[i]
+        for (int64_t i = 0; i < inter; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[inter + i];
+    }
+    gemm_rows(l.down, m.gate_up.data(), m.normed.data(), n, h, inter);
+    for (int64_t i = 0; i < n * h; i++) m.x[i] += m.normed[i];
 }
 
 Layer head_layer(const Weights &w) {
     return {w.input_norm, w.qkv, nullptr, nullptr, w.o, w.post_norm, w.gate_up, w.down};
 }
 
-// An EAGLE-3 head's row: x = hidden + attention([rms(embed); rms(hidden)]), then the MLP.
-void eagle_row(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t first, int64_t token,
-               int64_t position, const float *hidden, Scratch &m) {
+// An EAGLE-3 head's n rows (tokens, input hidden states [n, hidden]) from `position` on: x = hidden +
+// attention([rms(embed); rms(hidden)]), then the MLP.
+void eagle_rows(const Weights &w, const Shape &s, float *cache, const int64_t *table, int64_t first,
+                const int64_t *tokens, int64_t position, const float *hidden, int64_t n, Scratch &m) {
     const int64_t h = s.hidden;
-    rms_norm(w.embed + token * h, w.input_norm, m.a.data(), h, s.eps);
-    rms_norm(hidden, w.hidden_norm, m.a.data() + h, h, s.eps);
+    for (int64_t r = 0; r < n; r++) {
+        rms_norm(w.embed + tokens[r] * h, w.input_norm, m.a.data() + r * 2 * h, h, s.eps);
+        rms_norm(hidden + r * h, w.hidden_norm, m.a.data() + r * 2 * h + h, h, s.eps);
+    }
     const Layer layer = head_layer(w);
-    attention(layer, w.cos, w.sin, s, cache, table, first, position, m.a.data(), 2 * h, m);
-    for (int64_t i = 0; i < h; i++) m.x[i] = hidden[i] + m.normed[i];
-    mlp(layer, s, m);
+    attention(layer, w.cos, w.sin, s, cache, table, first, position, m.a.data(), 2 * h, n, m);
+    for (int64_t i = 0; i < n * h; i++) m.x[i] = hidden[i] + m.normed[i];
+    mlp(layer, s, n, m);
 }
 
-// A dense draft model's row through all its layers, each with its own KV cache.
-void dense_row(const Model &d, const Shape &s, float *cache, const int64_t *table, int64_t token, int64_t position,
-               Scratch &m) {
-    std::memcpy(m.x.data(), d.embed + token * s.hidden, sizeof(float) * s.hidden);
+// A dense draft model's n rows through all its layers, each with its own KV cache.
+void dense_rows(const Model &d, const Shape &s, float *cache, const int64_t *table, const int64_t *tokens,
+                int64_t position, int64_t n, Scratch &m) {
+    const int64_t h = s.hidden;
+    for (int64_t r = 0; r < n; r++) std::memcpy(m.x.data() + r * h, d.embed + tokens[r] * h, sizeof(float) * h);
     for (int64_t l = 0; l < d.num_layers; l++) {
-        rms_norm(m.x.data(), d.layers[l].input_norm, m.a.data(), s.hidden, s.eps);
-        attention(d.layers[l], d.cos, d.sin, s, cache + l * d.layer_stride, table, 0, position, m.a.data(), s.hidden,
-                  m);
-        for (int64_t i = 0; i < s.hidden; i++) m.x[i] += m.normed[i];
-        mlp(d.layers[l], s, m);
+        for (int64_t r = 0; r < n; r++) rms_norm(m.x.data() + r * h, d.layers[l].input_norm, m.a.data() + r * h, h, s.eps);
+        attention(d.layers[l], d.cos, d.sin, s, cache + l * d.layer_stride, table, 0, position, m.a.data(), h, n, m);
+        for (int64_t i = 0; i < n * h; i++) m.x[i] += m.normed[i];
+        mlp(d.layers[l], s, n, m);
     }
 }
 
-// Whether sequence seq's rows, and `extra` positions past its last, stay within its block table, the cache
-// and the rotary tables, and at or past its first attended position.
+// Whether sequence seq's rows are at consecutive positions and, with `extra` positions past its last, stay
+// within its block table, the cache and the rotary tables, and at or past its first attended position.
 bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions, const int64_t *tokens,
               const int64_t *table, int64_t seq, int64_t extra, int64_t first) {
     if (row_start[seq] >= row_start[seq + 1] || first < 0) return false;
     for (int64_t r = row_start[seq]; r < row_start[seq + 1]; r++) {
         const int64_t p = positions[r] + (r + 1 == row_start[seq + 1] ? extra : 0);
+        if (r > row_start[seq] && positions[r] != positions[r - 1] + 1) return false;  // consecutive
         if (positions[r] < first || p >= s.max_positions || p / s.block_size >= s.max_blocks) return false;
         if (tokens[r] < 0 || tokens[r] >= s.vocab) return false;
         for (int64_t b = 0; b <= p / s.block_size; b++)
@@ -200,9 +222,10 @@ bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions
     return true;
 }
 
-void head_logits(const float *norm, const float *lm_head, const Shape &s, Scratch &m, float *logits) {
-    rms_norm(m.x.data(), norm, m.normed.data(), s.hidden, s.eps);
-    gemv(lm_head, m.normed.data(), logits, s.vocab, s.hidden);
+void head_logits(const float *norm, const float *lm_head, const Shape &s, const float *x, Scratch &m,
+                 float *logits) {
+    rms_norm(x, norm, m.normed.data(), s.hidden, s.eps);
+    gemm_rows(lm_head, m.normed.data(), logits, 1, s.vocab, s.hidden);
 }
 
 int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argmax
@@ -212,20 +235,25 @@ int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argm
     return best;
 }
 
-// A sequence's rows [begin, end) through row(token, position, r), then num_drafts - 1 more steps, each feeding
-// the last step's argmax back in at the next position (r = -1).
-template <typename Row>
-void draft_seq(const float *norm, const float *lm_head, const Shape &s, const int64_t *tokens,
-               const int64_t *positions, int64_t begin, int64_t end, int64_t num_drafts, int64_t *drafts,
-               float *logits, Scratch &m, Row row) {
-    for (int64_t r = begin; r < end; r++) row(tokens[r], positions[r], r);
-    head_logits(norm, lm_head, s, m, logits);
+// A sequence's rows [begin, end) through rows(tokens, first position, n, first row) at once, then num_drafts - 1
+// more steps of one row, each feeding the last step's argmax back in at the next position (first row -1; the
+// last step's x is in m.carry then). Returns the last step's x.
+template <typename Rows>
+const float *draft_seq(const float *norm, const float *lm_head, const Shape &s, const int64_t *tokens,
+                       const int64_t *positions, int64_t begin, int64_t end, int64_t num_drafts, int64_t *drafts,
+                       float *logits, Scratch &m, Rows rows) {
+    rows(tokens + begin, positions[begin], end - begin, begin);
+    const float *last = m.x.data() + (end - begin - 1) * s.hidden;
+    head_logits(norm, lm_head, s, last, m, logits);
     for (int64_t j = 0; j < num_drafts; j++) {
         drafts[j] = argmax(logits, s.vocab);
         if (j + 1 == num_drafts) break;
-        row(drafts[j], positions[end - 1] + 1 + j, -1);
-        head_logits(norm, lm_head, s, m, logits);
+        std::memcpy(m.carry.data(), last, sizeof(float) * s.hidden);
+        rows(drafts + j, positions[end - 1] + 1 + j, 1, -1);
+        last = m.x.data();
+        head_logits(norm, lm_head, s, last, m, logits);
     }
+    return last;
 }
 
 // Runs fn(seq, scratch) for every sequence whose rows fit (1 if one does not), a sequence per thread.
@@ -242,7 +270,7 @@ int each_seq(const Shape &s, int64_t num_seqs, const int64_t *row_start, const i
             status = 1;
             continue;
         }
-        Scratch m(s);
+        Scratch m(s, row_start[seq + 1] - row_start[seq]);
         fn(seq, table, m);
     }
     return status;
@@ -261,14 +289,14 @@ extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, 
                                 float *logits, int num_threads) {
     return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
                     num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
-        const auto row = [&](int64_t token, int64_t position, int64_t r) {
-            if (r < 0) m.carry = m.x;  // a chained step: the head's own output is its hidden state
-            eagle_row(*w, *s, cache, table, firsts[seq], token, position,
-                      r < 0 ? m.carry.data() : hidden + r * s->hidden, m);
+        const auto rows = [&](const int64_t *row_tokens, int64_t position, int64_t n, int64_t first_row) {
+            // a chained step's hidden state is the head's own last output
+            const float *in = first_row < 0 ? m.carry.data() : hidden + first_row * s->hidden;
+            eagle_rows(*w, *s, cache, table, firsts[seq], row_tokens, position, in, n, m);
         };
-        draft_seq(w->norm, w->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1], num_drafts[seq],
-                  drafts + seq * max_drafts, logits + seq * s->vocab, m, row);
-        std::memcpy(hidden_out + seq * s->hidden, m.x.data(), sizeof(float) * s->hidden);
+        const float *last = draft_seq(w->norm, w->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1],
+                                      num_drafts[seq], drafts + seq * max_drafts, logits + seq * s->vocab, m, rows);
+        std::memcpy(hidden_out + seq * s->hidden, last, sizeof(float) * s->hidden);
     });
 }
 
@@ -279,10 +307,10 @@ extern "C" int dense_draft_f32(const Model *d, const Shape *s, float *cache, int
                                int64_t max_drafts, int64_t *drafts, float *logits, int num_threads) {
     return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
                     num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
-        const auto row = [&](int64_t token, int64_t position, int64_t) {
-            dense_row(*d, *s, cache, table, token, position, m);
+        const auto rows = [&](const int64_t *row_tokens, int64_t position, int64_t n, int64_t) {
+            dense_rows(*d, *s, cache, table, row_tokens, position, n, m);
         };
         draft_seq(d->norm, d->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1], num_drafts[seq],
-                  drafts + seq * max_drafts, logits + seq * s->vocab, m, row);
+                  drafts + seq * max_drafts, logits + seq * s->vocab, m, rows);
     });
 }
