@@ -309,6 +309,7 @@ class LLMEngine:
         self._append_prompt_logprobs(sched, out)
         if out.hidden_states is not None:
             _stash_hidden_states(sched, out.hidden_states)
+            self.proposer.bound_hidden(sched.seqs)
         touched = self._append_samples(out, now)
         if self.proposer is not None:
             start = time.perf_counter()

@@ -45,6 +45,9 @@ class DraftModelProposer:
         self.dense_step = FusedDraftModel.of(self.model)
         self.setup(config)
 
+    def bound_hidden(self, seqs):
+        """Where the proposer can skip positions (EAGLE-3), it bounds what each sequence keeps stashed."""
+
     def setup(self, config):
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()
         self.max_positions = self.config.hf_config.max_position_embeddings

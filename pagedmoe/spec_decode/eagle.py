@@ -21,6 +21,7 @@ from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16
+MAX_STASHED_STEPS = 64  # a sequence that drafted in none of its last this many steps keeps MIN_CATCH_UP rows
 
 
 def vllm_aux_layers(num_layers: int) -> list[int]:
@@ -92,6 +93,13 @@ def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:
     return head.to(dtype=config.torch_dtype).eval()
 
 
+def skip_behind(seq, limit: int):
+    """The head skips all but the last `limit` positions it has not caught up on, and attends from there."""
+    if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
+        seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
+        seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+
+
 class Eagle3Proposer(MTPProposer):
     def __init__(self, config, spec, target: nn.Module):
         self.spec, self.config = spec, config
@@ -122,9 +130,17 @@ class Eagle3Proposer(MTPProposer):
             return
         limit = max(MIN_CATCH_UP, CATCH_UP_ROWS // len(seqs))
         for seq in seqs:
-            if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
-                seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
-                seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+            skip_behind(seq, limit)
+
+    def bound_hidden(self, seqs):
+        """While speculation is off (at batch 64), every step stashed a sequence's hidden states until it
+        finished: the memory held grew by a tensor a step and cost ~6% of each step's time. A sequence that
+        has not drafted for MAX_STASHED_STEPS steps keeps the rows a catch-up would read at large batches."""
+        if not self._can_fuse():
+            return
+        for seq in seqs:
+            if len(seq.spec_hidden) > MAX_STASHED_STEPS:
+                skip_behind(seq, MIN_CATCH_UP)
 
     def _can_fuse(self) -> bool:
         return self.fused is not None and self.fused.fits(self.kv_cache.device_cache[0])

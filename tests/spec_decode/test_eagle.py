@@ -197,6 +197,26 @@ def test_a_head_far_behind_catches_up_over_its_last_positions(head_dir, monkeypa
     assert_all_blocks_free(llm.engine)
 
 
+def test_a_sequence_that_does_not_draft_keeps_a_bounded_stash(head_dir, monkeypatch):
+    """Speculation off for many steps (the batch is past disable_by_batch_size until sequences finish): each
+    sequence's stashed hidden states stay within MAX_STASHED_STEPS chunks, and once the batch shrinks the
+    head drafts from its last positions; the output is the target's greedy one and no block leaks."""
+    target_dir, head_path, target = head_dir[:3]
+    monkeypatch.setattr(eagle, "MAX_STASHED_STEPS", 6)
+    spec = {"method": "eagle3", "model": head_path, "num_speculative_tokens": K, "adaptive": False,
+            "disable_by_batch_size": 2}
+    llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
+    longest, stashed = [], llm.engine.proposer.bound_hidden
+    monkeypatch.setattr(llm.engine.proposer, "bound_hidden", lambda seqs: (
+        stashed(seqs), longest.append(max(len(s.spec_hidden) for s in seqs)))[0])
+    prompts = make_prompts(3, seed=4, min_len=8, max_len=20)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 40)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(target, p, n) for p, n in zip(prompts, (12, 30, 40))]
+    assert max(longest) <= 6 + 1 and llm.engine.get_stats().spec_decode.num_drafts > 0
+    assert_all_blocks_free(llm.engine)
+
+
 def test_the_fused_step_refuses_rows_past_the_block_tables(head_dir):
     drafter = eagle_llm(*head_dir[:2]).engine.runner.drafter
     token_lists, starts, tables, hidden = fused_step_problem(drafter, seed=2)
