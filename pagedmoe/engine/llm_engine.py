@@ -321,9 +321,10 @@ class LLMEngine:
         """Draft tokens for every running sequence whose next step is a decode, unless the batch is past
         speculative_config.disable_by_batch_size or, adaptive, measured slower with drafts at its size."""
         limit, batch_size = self.config.speculative_config.disable_by_batch_size, len(self.scheduler.running)
-        if limit is not None and batch_size > limit:
-            return
-        if self.spec_switch is not None and not self.spec_switch.should_speculate(batch_size):
+        if limit is not None and batch_size > limit or \
+                self.spec_switch is not None and not self.spec_switch.should_speculate(batch_size):
+            for seq in (s for request in requests for s in request.seqs):
+                seq.drafts_paused = True
             return
         seqs = [s for request in requests for s in request.seqs if self._can_draft(s)]
         ks = [max_draft_tokens(s, self.config.speculative_config.num_speculative_tokens, self.config.max_model_len)

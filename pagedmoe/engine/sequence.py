@@ -79,6 +79,7 @@ class Sequence:
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] the distributions drafts were sampled from
         self.num_drafter_tokens = 0  # leading positions whose KV a draft model holds (spec_decode/draft_model.py)
         self.drafter_start = 0  # EAGLE-3: the first of them its head attends (it skipped the ones before)
+        self.drafts_paused = False  # kept from drafting by the batch size or the adaptive switch since it last drafted
         self.dp_rank: int | None = None  # data-parallel attention: the rank holding this sequence's KV
         self.grammar = None  # structured outputs: the tokens it may sample next (structured_output/grammar.py)
         self.spec_hidden: list[torch.Tensor] = []  # MTP / EAGLE: target hidden states of the positions from

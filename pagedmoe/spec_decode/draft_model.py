@@ -18,6 +18,7 @@ from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
 from pagedmoe.worker.model_loader import prepare_model
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16  # a drafter far behind catches up over its last positions only
 
 
 @dataclass
@@ -79,8 +80,12 @@ class DraftModelProposer:
         """Up to ks[i] drafts for seqs[i] (fewer where the draft's positions end), with the distributions
         they were sampled from when speculative_config.draft_sample_method is "probabilistic"."""
         ks = self.capped(seqs, ks)
-        if self._fuses_dense(seqs, ks):
+        live = [seq for seq, k in zip(seqs, ks) if k]
+        if self._kernel_drafts(live):
+            self._skip_far_behind(live)
+        if self._fuses_dense(live):
             return self._propose_fused(seqs, ks)
+        ks = self.step_ks(seqs, ks)
         drafts = [([], []) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k]
         inputs = self.first_inputs([seqs[i] for i in live])
@@ -97,19 +102,41 @@ class DraftModelProposer:
             inputs = self.next_inputs([seqs[i] for i in live], [tokens[j] for j in kept], hidden, step + 1)
         return [(ids, None if not rows or rows[0] is None else torch.stack(rows)) for ids, rows in drafts]
 
-    def _fuses_dense(self, seqs, ks: list[int]) -> bool:
-        live = [seq for seq, k in zip(seqs, ks) if k]
+    def step_ks(self, seqs, ks: list[int]) -> list[int]:
+        """The drafts step-by-step drafting takes: none for a sequence that skipped positions, since the draft
+        model's modules attend from position 0."""
+        return [0 if seq.drafter_start else k for seq, k in zip(seqs, ks)]
+
+    def _kernel_drafts(self, live) -> bool:
+        """Whether the kernel can draft these sequences: greedy drafts, float32 weights on CPU."""
         if self.dense_step is None or not live or not self.dense_step.fits(self.kv_cache.device_cache):
             return False
+        return self._drafts_greedily(live)
+
+    def _fuses_dense(self, live) -> bool:
+        """The kernel for few rows, and always once a sequence skipped positions (only it attends past them)."""
+        if not self._kernel_drafts(live):
+            return False
         num_rows = sum(len(seq) - seq.num_drafter_tokens for seq in live)
-        return num_rows <= MAX_ROWS and self._drafts_greedily(live)
+        return num_rows <= MAX_ROWS or any(seq.drafter_start for seq in live)
+
+    def _skip_far_behind(self, seqs):
+        """As EAGLE-3's head: a draft model that the batch size or the switch kept from drafting catches up over
+        its last positions only (CATCH_UP_ROWS for the proposal, at least MIN_CATCH_UP a sequence) and
+        attends from there on; over whole contexts a probe of speculation at batch 64 cost ~20 ms. Only such
+        sequences, so that seeded sampling stays the same alone and in a batch where drafting never pauses."""
+        limit = max(MIN_CATCH_UP, CATCH_UP_ROWS // len(seqs))
+        for seq in seqs:
+            if seq.drafts_paused and (skip := len(seq) - seq.num_drafter_tokens - limit) > 0:
+                seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+            seq.drafts_paused = False
 
     def _propose_fused(self, seqs, ks: list[int]) -> list[tuple[list[int], None]]:
         live = [i for i, k in enumerate(ks) if k]
         inputs = self.first_inputs([seqs[i] for i in live])
         tables = pad_block_tables([seqs[i].block_table for i in live])
         _, drafts = self.dense_step(self.kv_cache.device_cache, inputs.token_lists, inputs.starts, tables,
-                                    [ks[i] for i in live])
+                                    [ks[i] for i in live], [seqs[i].drafter_start for i in live])
         return self.take_drafts(seqs, live, drafts, [ks[i] - 1 for i in live])  # the last draft's KV is unwritten
 
     def take_drafts(self, seqs, live: list[int], drafts: list[list[int]], steps: list[int]) -> list:

@@ -142,6 +142,9 @@ class Eagle3Proposer(MTPProposer):
             if len(seq.spec_hidden) > MAX_STASHED_STEPS:
                 skip_behind(seq, MIN_CATCH_UP)
 
+    def step_ks(self, seqs, ks: list[int]) -> list[int]:
+        return ks  # its steps attend from each sequence's first position (_step)
+
     def _can_fuse(self) -> bool:
         return self.fused is not None and self.fused.fits(self.kv_cache.device_cache[0])
 

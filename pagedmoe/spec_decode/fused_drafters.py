@@ -197,11 +197,14 @@ class FusedDraftModel(FusedDrafter):
         return cls(model, tensors, library) if library is not None else None
 
     def __call__(self, cache: torch.Tensor, token_lists: list[list[int]], starts: list[int],
-                 block_tables: torch.Tensor, num_drafts: list[int]) -> tuple[torch.Tensor, list[list[int]]]:
+                 block_tables: torch.Tensor, num_drafts: list[int], firsts: list[int] | None = None
+                 ) -> tuple[torch.Tensor, list[list[int]]]:
         """Sequence i's tokens token_lists[i] at positions starts[i]... through every layer (cache: all the
-        draft's layers), then num_drafts[i] greedy draft steps: the last step's logits and the drafts."""
+        draft's layers), attending its positions from firsts[i] (default 0) on, then num_drafts[i] greedy draft
+        steps: the last step's logits and the drafts."""
         n = len(token_lists)
-        rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts, [0] * n)
+        rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts,
+                                                                      firsts or [0] * n)
         tables, max_drafts = block_tables.contiguous(), max(num_drafts)
         drafts, logits = torch.empty(n, max_drafts, dtype=torch.long), torch.empty(n, self.vocab_size)
         self.struct.layer_stride = cache.stride(0)

@@ -9,7 +9,7 @@ import transformers
 from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config,
                       tiny_moe_config, x86_targets)
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.spec_decode import fused_drafters
+from pagedmoe.spec_decode import draft_model, fused_drafters
 from pagedmoe.spec_decode.fused_drafters import FusedDraftModel
 from test_spec_decode_engine import assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy
 
@@ -160,3 +160,39 @@ def test_stop_strings_inside_accepted_runs(text_model, tmp_path):
         assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
     assert llm.engine.get_stats().spec_decode.num_accepted_tokens > 0
     assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("scenario", ["batch", "recompute"])
+def test_a_draft_model_kept_from_drafting_catches_up_over_its_last_positions(models, monkeypatch, scenario):
+    """The batch is past disable_by_batch_size until sequences finish: once drafting resumes, a sequence far
+    behind catches up over its last positions only and attends from there (the kernel); the output is the
+    target's greedy one, drafts are accepted, no block leaks. A sequence never kept from drafting does not
+    skip (seeded sampling stays the same alone and in a batch)."""
+    target_dir, target, draft_dir = models[:3]
+    monkeypatch.setattr(draft_model, "CATCH_UP_ROWS", 8)
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": K, "adaptive": False,
+            "disable_by_batch_size": 2}
+    llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec,
+              **SCENARIOS[scenario])
+    firsts, propose = [], llm.engine.proposer.propose
+    monkeypatch.setattr(llm.engine.proposer, "propose", lambda seqs, ks: (
+        result := propose(seqs, ks), firsts.extend(s.drafter_start for s in seqs))[0])
+    prompts = make_prompts(3, seed=6, min_len=10, max_len=20)
+    lengths = (6, 30, 40)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
+    assert max(firsts) > 0 and llm.engine.get_stats().spec_decode.num_accepted_tokens > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_a_draft_model_never_kept_from_drafting_never_skips(models, monkeypatch):
+    target_dir, target, draft_dir = models[:3]
+    monkeypatch.setattr(draft_model, "CATCH_UP_ROWS", 1)
+    llm = draft_llm(target_dir, draft_dir)
+    firsts, propose = [], llm.engine.proposer.propose
+    monkeypatch.setattr(llm.engine.proposer, "propose", lambda seqs, ks: (
+        result := propose(seqs, ks), firsts.extend(s.drafter_start for s in seqs))[0])
+    prompts = make_prompts(3, seed=6, min_len=10, max_len=20)
+    assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
+    assert firsts and not any(firsts)

@@ -193,14 +193,15 @@ void eagle_rows(const Weights &w, const Shape &s, float *cache, const int64_t *t
     mlp(layer, s, n, m);
 }
 
-// A dense draft model's n rows through all its layers, each with its own KV cache.
-void dense_rows(const Model &d, const Shape &s, float *cache, const int64_t *table, const int64_t *tokens,
-                int64_t position, int64_t n, Scratch &m) {
+// A dense draft model's n rows through all its layers, each with its own KV cache, attending from first.
+void dense_rows(const Model &d, const Shape &s, float *cache, const int64_t *table, int64_t first,
+                const int64_t *tokens, int64_t position, int64_t n, Scratch &m) {
     const int64_t h = s.hidden;
     for (int64_t r = 0; r < n; r++) std::memcpy(m.x.data() + r * h, d.embed + tokens[r] * h, sizeof(float) * h);
     for (int64_t l = 0; l < d.num_layers; l++) {
         for (int64_t r = 0; r < n; r++) rms_norm(m.x.data() + r * h, d.layers[l].input_norm, m.a.data() + r * h, h, s.eps);
-        attention(d.layers[l], d.cos, d.sin, s, cache + l * d.layer_stride, table, 0, position, m.a.data(), h, n, m);
+        attention(d.layers[l], d.cos, d.sin, s, cache + l * d.layer_stride, table, first, position, m.a.data(), h,
+                  n, m);
         for (int64_t i = 0; i < n * h; i++) m.x[i] += m.normed[i];
         mlp(d.layers[l], s, n, m);
     }
@@ -300,7 +301,7 @@ extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, 
     });
 }
 
-// The same for a dense draft model (every sequence attends from position 0), its caches layer_stride apart.
+// The same for a dense draft model, its caches layer_stride apart.
 extern "C" int dense_draft_f32(const Model *d, const Shape *s, float *cache, int64_t num_seqs,
                                const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
                                const int64_t *firsts, const int64_t *block_tables, const int64_t *num_drafts,
@@ -308,7 +309,7 @@ extern "C" int dense_draft_f32(const Model *d, const Shape *s, float *cache, int
     return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
                     num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
         const auto rows = [&](const int64_t *row_tokens, int64_t position, int64_t n, int64_t) {
-            dense_rows(*d, *s, cache, table, row_tokens, position, n, m);
+            dense_rows(*d, *s, cache, table, firsts[seq], row_tokens, position, n, m);
         };
         draft_seq(d->norm, d->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1], num_drafts[seq],
                   drafts + seq * max_drafts, logits + seq * s->vocab, m, rows);
