@@ -19,7 +19,7 @@
 
 #include "../../csrc/tile_gemm.h"
 
-#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define FP4_VNNI512 1
 constexpr bool PAIRED = true;  // activations laid out for the 512-bit step (q_index)
 #else
