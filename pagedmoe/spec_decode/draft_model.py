@@ -21,6 +21,14 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16  # a drafter far behind catches up over its last positions only
 
 
+def skip_positions(seq, skip: int):
+    """The drafter skips the next `skip` positions it has not caught up on (and their stashed hidden states,
+    MTP / EAGLE) and attends from the position after them."""
+    if seq.spec_hidden:
+        seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
+    seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+
+
 @dataclass
 class DraftInputs:
     token_lists: list[list[int]]
@@ -128,7 +136,7 @@ class DraftModelProposer:
         limit = max(MIN_CATCH_UP, CATCH_UP_ROWS // len(seqs))
         for seq in seqs:
             if seq.drafts_paused and (skip := len(seq) - seq.num_drafter_tokens - limit) > 0:
-                seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+                skip_positions(seq, skip)
             seq.drafts_paused = False
 
     def _propose_fused(self, seqs, ks: list[int]) -> list[tuple[list[int], None]]:

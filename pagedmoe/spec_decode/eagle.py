@@ -13,14 +13,13 @@ from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
-from pagedmoe.spec_decode.draft_model import DraftInputs
+from pagedmoe.spec_decode.draft_model import CATCH_UP_ROWS, MIN_CATCH_UP, DraftInputs, skip_positions
 from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16
 MAX_STASHED_STEPS = 64  # a sequence that drafted in none of its last this many steps keeps MIN_CATCH_UP rows
 
 
@@ -96,8 +95,7 @@ def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:
 def skip_behind(seq, limit: int):
     """The head skips all but the last `limit` positions it has not caught up on, and attends from there."""
     if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
-        seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
-        seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+        skip_positions(seq, skip)
 
 
 class Eagle3Proposer(MTPProposer):
