@@ -7,6 +7,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 # -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
 # denormals-are-zero for the whole process when the library loads
 LINK_FLAGS = ["-shared", "-fopenmp"]
+LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 HEADERS = Path(__file__).with_name("csrc")  # shared by the kernels: part of every build's cache key
 
 
@@ -52,7 +54,7 @@ def load_library(source: Path, compiler: str = "c++", march: str = "native") -> 
     march: the compiler's target, e.g. x86-64-v3 (AVX2) to check another machine's build here."""
     flags = [*compile_flags(march), *LINK_FLAGS]
     headers = b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + cpu_identity()).hexdigest()
+    key = hashlib.sha256(source_closure(source) + headers + " ".join(flags).encode() + cpu_identity()).hexdigest()
     path = kernel_cache_dir() / f"{source.stem}-{key[:16]}.so"
     try:
         if not path.exists():
@@ -60,6 +62,15 @@ def load_library(source: Path, compiler: str = "c++", march: str = "native") -> 
         return ctypes.CDLL(str(path))
     except OSError as error:
         raise RuntimeError(f"cannot build or load the CPU kernel {source.name}: {error}") from error
+
+
+def source_closure(source: Path, seen: set[Path] | None = None) -> bytes:
+    """The source and every local file it includes (a kernel may include another's .cpp), recursively."""
+    seen = set() if seen is None else seen
+    seen.add(source.resolve())
+    text = source.read_bytes()
+    included = (source.parent / name.decode() for name in LOCAL_INCLUDE.findall(text))
+    return text + b"".join(source_closure(path, seen) for path in included if path.resolve() not in seen)
 
 
 def _build(source: Path, compiler: str, march: str, path: Path):

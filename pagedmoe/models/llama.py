@@ -80,9 +80,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    decode_block = None  # CPU: the attention half in one call for steps of decodes (attach_decode_blocks)
+
     def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x), meta)
+        fused = self.decode_block(positions, x, meta) if self.decode_block is not None else None
+        if fused is None:
+            x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+            fused = x, self.post_attention_layernorm(x)
+        x, normed = fused
+        return x + self.mlp(normed, meta)
 
 
 class DecoderForCausalLM(nn.Module):

@@ -1,0 +1,148 @@
+"""A decoder layer's attention half for a step of decodes in one C++ call (csrc/decode_block.cpp): input norm,
+qkv, q/k norms, rotary, KV write, paged decode attention, o projection, residual add and the post-attention
+norm. Each is the kernel the layer's modules call one by one (cpu_ops, cpu_linear, cpu_kernel), in the same
+order, so the output is bit-identical; what goes is the Python and dispatch between them, about 100 us a
+layer at one token. It applies where every one of those kernels would run: CPU, a step of decodes attended by
+the decode kernel, linears on the tile kernel at this row count. Elsewhere the layer's modules run."""
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pagedmoe.layers import cpu_build, cpu_ops
+from pagedmoe.layers.attention.metadata import AttentionMetadata
+from pagedmoe.layers.cpu_build import num_threads, ptr
+from pagedmoe.layers.linear import Linear, MergedLinear
+from pagedmoe.layers.norm import RMSNorm
+from pagedmoe.layers.rotary import RotaryEmbedding
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_block.cpp"
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+QK_NORMS = {None: 0, "head": 1, "full": 2}
+
+
+@functools.cache
+def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
+    return cpu_build.load_library(SOURCE, compiler, march)
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "q_norm", "k_norm",
+        "cos", "sin", "sinks")),
+        *((name, ctypes.c_int64) for name in (
+            "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "window", "qkv_amx", "o_amx")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("positions", "slots", "block_tables", "seq_lens")),
+                *((name, ctypes.c_int64) for name in ("tokens", "max_blocks", "num_blocks", "block_size"))]
+
+
+def unsupported_reason(layer) -> str | None:
+    attn = layer.self_attn
+    if type(attn.qkv_proj) is not MergedLinear or type(attn.o_proj) is not Linear:
+        return "the projections are split over ranks or not plain linears"
+    if attn.qkv_proj.cpu_kernel is None or attn.o_proj.cpu_kernel is None:
+        return "the projections do not run on the CPU tile kernel"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *filter(None, (attn.q_norm, attn.k_norm))]
+    if any(type(norm) is not RMSNorm for norm in norms) or len({norm.eps for norm in norms}) > 1:
+        return "the norms are not RMSNorms of one eps"
+    if attn.clip_qkv is not None or attn.qk_norm not in QK_NORMS or type(attn.rotary) is not RotaryEmbedding:
+        return "the layer clips qkv, or its q/k norm or rotary is another kind"
+    if attn.rotary.cos.shape[-1] != attn.head_dim or attn.qkv_proj.weight.dtype not in SUFFIXES:
+        return "partial rotary, or a dtype the kernels do not take"
+    return None
+
+
+class DecodeBlock:
+    """layer: a DecoderLayer (models/llama.py) whose projections run on the CPU tile kernel. Call it as the
+    layer's attention half: (x + attention(norm(x)), post_norm of that), or None where it does not apply."""
+
+    def __init__(self, layer, library: ctypes.CDLL | None = None):
+        if reason := unsupported_reason(layer):
+            raise ValueError(f"decode block: {reason}")
+        attn = layer.self_attn
+        self.dtype = attn.qkv_proj.weight.dtype
+        self.fn = getattr(library if library is not None else load_library(), f"decode_block_{SUFFIXES[self.dtype]}")
+        self.fn.restype = None
+        self.layer_idx, self.window = attn.attn.layer_idx, attn.attn.window
+        self.max_rows = min(attn.qkv_proj.cpu_kernel.max_rows, attn.o_proj.cpu_kernel.max_rows)
+        self.hidden = layer.input_layernorm.weight.shape[0]
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        self.scratch_width = self.hidden + 2 * q_size + 2 * kv_size + q_size
+        self.tensors = self._tensors(layer)  # held: the struct points into them
+        self.args = self._args(layer)
+
+    def _tensors(self, layer) -> dict[str, Tensor | None]:
+        attn = layer.self_attn
+        sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
+        cos, sin = attn.rotary.float_tables()
+        return {"input_norm": layer.input_layernorm.weight.detach().contiguous(),
+                "post_norm": layer.post_attention_layernorm.weight.detach().contiguous(),
+                "qkv_weight": attn.qkv_proj.cpu_kernel.weight, "qkv_bias": _bias(attn.qkv_proj),
+                "o_weight": attn.o_proj.cpu_kernel.weight, "o_bias": _bias(attn.o_proj),
+                "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach().contiguous(),
+                "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach().contiguous(),
+                "cos": cos, "sin": sin, "sinks": sinks}
+
+    def _args(self, layer) -> LayerArgs:
+        attn = layer.self_attn
+        pointers = {name: None if t is None else t.data_ptr() for name, t in self.tensors.items()}
+        return LayerArgs(**pointers, hidden=self.hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                         head_dim=attn.head_dim, qk_norm=QK_NORMS[attn.qk_norm], window=self.window,
+                         qkv_amx=attn.qkv_proj.cpu_kernel.on_amx, o_amx=attn.o_proj.cpu_kernel.on_amx,
+                         eps=layer.input_layernorm.eps, scale=attn.attn.scale)
+
+    def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
+        if not self.applies(x, meta):
+            return None
+        meta = meta.for_layer(self.window)
+        step = step_args(meta, positions)
+        if step is None:
+            return None
+        out = torch.empty(2, *x.shape, dtype=x.dtype)
+        scratch = torch.empty(x.shape[0] * self.scratch_width, dtype=x.dtype)
+        self.fn(ctypes.byref(self.args), ctypes.byref(step), ptr(x), ptr(meta.layer_cache(self.layer_idx)),
+                ptr(out[0]), ptr(out[1]), ptr(scratch), num_threads())
+        return out[0], out[1]
+
+    def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        if not cpu_ops.enabled or meta.decode_kernel is None or meta.triton is not None:
+            return False
+        if x.dtype != self.dtype or x.dim() != 2 or not x.is_contiguous() or x.shape[0] > self.max_rows:
+            return False
+        groups = meta.for_layer(self.window).groups
+        return len(groups) == 1 and groups[0].is_decode and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _bias(linear: Linear) -> Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().to(linear.cpu_kernel.weight.dtype).contiguous()
+
+
+def step_args(meta: AttentionMetadata, positions: Tensor) -> StepArgs | None:
+    """The step's inputs as the kernel reads them, built once per metadata and positions (every layer that
+    attends with this metadata shares them); None where a layout does not fit."""
+    cached = getattr(meta, "_decode_block_step", None)
+    if cached is not None and cached[0] is positions:
+        return cached[1]
+    group, cache = meta.groups[0], meta.kv_caches
+    tensors = (positions, meta.slot_mapping, group.block_tables, group.seq_lens_tensor)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors) or not cache.is_contiguous():
+        return None
+    step = StepArgs(*(t.data_ptr() for t in tensors), tokens=positions.shape[0],
+                    max_blocks=group.block_tables.shape[1], num_blocks=cache.shape[2], block_size=cache.shape[3])
+    meta._decode_block_step = (positions, step)
+    return step
+
+
+def attach_decode_blocks(model: torch.nn.Module) -> int:
+    """Gives every decoder layer that can take one its decode block (after the CPU kernels are attached);
+    returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "decode_block") and hasattr(m, "self_attn")]
+    for layer in layers:
+        layer.decode_block = None if unsupported_reason(layer) else DecodeBlock(layer)
+    return sum(layer.decode_block is not None for layer in layers)

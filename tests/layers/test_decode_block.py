@@ -1,0 +1,151 @@
+"""The decode block (layers/attention/decode_block.py): a decoder layer's attention half for a step of decodes
+in one C++ call must give bit-identical tokens and logprobs to the layer's modules run one by one, and match
+HF's greedy tokens in float32: Llama, Qwen3 (q/k norms per head), OLMoE (q/k norms over all heads), gpt-oss
+(biases, sinks, sliding-window layers with their own block tables); float32 and bfloat16; on the AMX tiles
+and on the vector tiles. The tiny test linears are put on the tile kernel whatever their size, so that every
+machine drives the block."""
+import pytest
+import torch
+import transformers
+
+from conftest import MOE_COMMON, assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, \
+    tiny_dense_config
+from pagedmoe import LLM, SamplingParams
+from pagedmoe.layers import cpu_build, cpu_linear, cpu_ops
+from pagedmoe.layers.attention import decode_block
+from pagedmoe.layers.attention.decode_block import DecodeBlock, attach_decode_blocks
+from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
+from pagedmoe.layers.linear import Linear, MergedLinear
+
+NUM_NEW = 12
+CONFIGS = {
+    "llama": lambda: tiny_dense_config("llama"),
+    "qwen3": lambda: tiny_dense_config("qwen3"),
+    "olmoe": lambda: transformers.OlmoeConfig(**MOE_COMMON, intermediate_size=48, num_experts=4,
+                                              num_experts_per_tok=2),
+    "gpt_oss": lambda: transformers.GptOssConfig(**MOE_COMMON | {"num_hidden_layers": 3}, head_dim=32,
+                                                 intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                                 sliding_window=8),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def reference(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_random_model(CONFIGS[request.param](), path, seed=3)
+    prompts = make_prompts(6, seed=5, max_len=30)
+    return request.param, str(path), model, prompts
+
+
+def on_tile_kernels(llm: LLM, amx: bool = True) -> list:
+    """Every plain linear of the model that the tile kernel takes, on it at any row count (amx False: on the
+    vector tiles), then the decode blocks attached; the decoder layers."""
+    model = llm.engine.runner.model
+    for layer in model.modules():
+        if type(layer) in (Linear, MergedLinear) and layer.fp4 is None:
+            try:
+                layer.cpu_kernel, layer.packed_weight = CpuLinear(layer.weight, max_rows=ANY_ROWS), None
+            except ValueError:  # a router's few outputs: not a whole panel
+                continue
+            if layer.cpu_kernel.on_amx and not amx:
+                layer.cpu_kernel.on_amx, layer.cpu_kernel.fn = False, cpu_linear.load_library().linear_bf16
+    assert attach_decode_blocks(model) == len(model.layers)
+    return list(model.layers)
+
+
+def generate(llm: LLM, prompts: list[list[int]]):
+    """Greedy tokens and top logprobs (run twice, the engine must not cache prefixes: a prefix hit computes
+    the prompt in other shapes, with other float rounding)."""
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+def count_calls(monkeypatch) -> list:
+    ran, call = [], DecodeBlock.__call__
+
+    def counted(self, *args):
+        out = call(self, *args)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setattr(DecodeBlock, "__call__", counted)
+    return ran
+
+
+@pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
+def test_the_block_equals_the_layers_modules(reference, dtype, amx, monkeypatch):
+    """amx: bf16 linears on the AMX tiles where the CPU has them (float32 has no AMX path)."""
+    arch, path, _, prompts = reference
+    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    layers = on_tile_kernels(llm, amx)
+    ran = count_calls(monkeypatch)
+    fused = generate(llm, prompts)
+    assert sum(ran) >= NUM_NEW * len(layers) and not all(ran)  # decodes fused, prefill steps not
+    for layer in layers:
+        layer.decode_block = None
+    assert generate(llm, prompts) == fused
+
+
+def test_the_block_matches_hf_greedy(reference, monkeypatch):
+    arch, path, model, prompts = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
+    on_tile_kernels(llm)
+    ran = count_calls(monkeypatch)
+    tokens = [out[0] for out in generate(llm, prompts)]
+    assert any(ran)
+    assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+
+
+ASIDE = {"no decode kernel": dict(cpu_attention_kernel=False), "rows over a linear's limit": dict(),
+         "PyTorch pointwise ops": dict()}
+
+
+@pytest.mark.parametrize("reason", list(ASIDE))
+def test_the_block_steps_aside(reference, reason, monkeypatch):
+    """Where one of its kernels would not run, the layer's modules run, with the same output."""
+    _, path, _, prompts = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False, **ASIDE[reason])
+    layers = on_tile_kernels(llm)
+    calls = []
+    for layer in layers:
+        layer.decode_block.fn = lambda *args: calls.append(args)
+        layer.decode_block.max_rows = 0 if reason == "rows over a linear's limit" else layer.decode_block.max_rows
+    monkeypatch.setattr(cpu_ops, "enabled", reason != "PyTorch pointwise ops")
+    outputs = generate(llm, prompts)
+    assert calls == []
+    for layer in layers:
+        layer.decode_block = None
+    assert generate(llm, prompts) == outputs
+
+
+def test_unsupported_layers_are_refused(reference):
+    _, path, _, _ = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_decode_block=False)
+    layers = on_tile_kernels(llm)
+    layers[0].self_attn.o_proj.cpu_kernel = None
+    with pytest.raises(ValueError, match="decode block: the projections do not run on the CPU tile kernel"):
+        DecodeBlock(layers[0])
+    assert attach_decode_blocks(llm.engine.runner.model) == len(layers) - 1 and layers[0].decode_block is None
+
+
+def test_the_engine_attaches_blocks_where_the_kernels_run(tmp_path):
+    """bfloat16 linears take the tile kernel at any size on AMX and on AVX2-only CPUs; float32 ones this small
+    stay on MKL, so their layers keep their modules."""
+    save_random_model(tiny_dense_config("llama"), tmp_path)
+    layers = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True).engine.runner.model.layers
+    assert all(layer.decode_block is None for layer in layers)
+    layers = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True).engine.runner.model.layers
+    assert all((layer.decode_block is not None) == (layer.self_attn.o_proj.cpu_kernel is not None)
+               for layer in layers)
+
+
+def test_the_build_key_covers_the_kernels_it_includes():
+    """The block compiles the other kernels' sources into itself: an edit to any of them must rebuild it."""
+    closure = cpu_build.source_closure(decode_block.SOURCE)
+    csrc = decode_block.SOURCE.parent.parent.parent / "csrc"
+    for path in (csrc / "linear.cpp", csrc / "pointwise.cpp", csrc / "amx_tile.h",
+                 decode_block.SOURCE.with_name("paged_decode.cpp")):
+        assert path.read_bytes() in closure
