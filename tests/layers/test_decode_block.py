@@ -16,6 +16,7 @@ from pagedmoe.layers.attention import decode_block
 from pagedmoe.layers.attention.decode_block import DecodeBlock, attach_decode_blocks
 from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
 from pagedmoe.layers.linear import Linear, MergedLinear
+from pagedmoe.layers.quantization.quantize import quantize_checkpoint
 
 NUM_NEW = 12
 CONFIGS = {
@@ -83,7 +84,7 @@ def test_the_block_equals_the_layers_modules(reference, dtype, amx, monkeypatch)
     layers = on_tile_kernels(llm, amx)
     ran = count_calls(monkeypatch)
     fused = generate(llm, prompts)
-    assert sum(ran) >= NUM_NEW * len(layers) and not all(ran)  # decodes fused, prefill steps not
+    assert sum(ran) >= (NUM_NEW - 1) * len(layers) and not all(ran)  # decodes fused, prefill steps not
     for layer in layers:
         layer.decode_block = None
     assert generate(llm, prompts) == fused
@@ -126,7 +127,7 @@ def test_unsupported_layers_are_refused(reference):
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_decode_block=False)
     layers = on_tile_kernels(llm)
     layers[0].self_attn.o_proj.cpu_kernel = None
-    with pytest.raises(ValueError, match="decode block: the projections do not run on the CPU tile kernel"):
+    with pytest.raises(ValueError, match="decode block: the projections run on neither the CPU tile kernel nor"):
         DecodeBlock(layers[0])
     assert attach_decode_blocks(llm.engine.runner.model) == len(layers) - 1 and layers[0].decode_block is None
 
@@ -149,3 +150,22 @@ def test_the_build_key_covers_the_kernels_it_includes():
     for path in (csrc / "linear.cpp", csrc / "pointwise.cpp", csrc / "amx_tile.h",
                  decode_block.SOURCE.with_name("paged_decode.cpp")):
         assert path.read_bytes() in closure
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_block_runs_packed_4bit_projections(reference, dtype, tmp_path, monkeypatch):
+    """NVFP4 quantises the attention projections too: the block runs them on the int8-dot kernel, bit-identical
+    to fp4_linear, with no tile kernel forced (the engine attaches it on any CPU)."""
+    arch, path, _, prompts = reference
+    if arch == "olmoe":  # the same projections as Llama's, its q/k norms are covered above
+        return
+    quantize_checkpoint(path, str(tmp_path / "nvfp4"), "nvfp4")
+    llm = LLM(str(tmp_path / "nvfp4"), dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False)
+    layers = llm.engine.runner.model.layers
+    assert all(layer.self_attn.qkv_proj.fp4 is not None and layer.decode_block is not None for layer in layers)
+    ran = count_calls(monkeypatch)
+    fused = generate(llm, prompts)
+    assert sum(ran) >= (NUM_NEW - 1) * len(layers)  # every decode step
+    for layer in layers:
+        layer.decode_block = None
+    assert generate(llm, prompts) == fused

@@ -3,7 +3,8 @@ qkv, q/k norms, rotary, KV write, paged decode attention, o projection, residual
 norm. Each is the kernel the layer's modules call one by one (cpu_ops, cpu_linear, cpu_kernel), in the same
 order, so the output is bit-identical; what goes is the Python and dispatch between them, about 100 us a
 layer at one token. It applies where every one of those kernels would run: CPU, a step of decodes attended by
-the decode kernel, linears on the tile kernel at this row count. Elsewhere the layer's modules run."""
+the decode kernel, projections on the tile kernel or (packed 4-bit) on the int8-dot kernel at this row count.
+Elsewhere the layer's modules run."""
 import ctypes
 import functools
 from pathlib import Path
@@ -16,6 +17,8 @@ from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.cpu_build import num_threads, ptr
 from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
+from pagedmoe.layers.quantization.fp4_kernel import ACT_BLOCK
+from pagedmoe.layers.quantization import fp4_linear
 from pagedmoe.layers.rotary import RotaryEmbedding
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_block.cpp"
@@ -28,13 +31,18 @@ def load_library(compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
     return cpu_build.load_library(SOURCE, compiler, march)
 
 
+class ProjArgs(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("weight", "bias", "scales", "row_scale")),
+                ("kind", ctypes.c_int64), ("block", ctypes.c_int64)]
+
+
 class LayerArgs(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "q_norm", "k_norm",
-        "cos", "sin", "sinks")),
-        *((name, ctypes.c_int64) for name in (
-            "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "window", "qkv_amx", "o_amx")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [("qkv", ProjArgs), ("o", ProjArgs),
+                *((name, ctypes.c_void_p) for name in (
+                    "input_norm", "post_norm", "q_norm", "k_norm", "cos", "sin", "sinks")),
+                *((name, ctypes.c_int64) for name in (
+                    "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "window")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class StepArgs(ctypes.Structure):
@@ -46,34 +54,59 @@ def unsupported_reason(layer) -> str | None:
     attn = layer.self_attn
     if type(attn.qkv_proj) is not MergedLinear or type(attn.o_proj) is not Linear:
         return "the projections are split over ranks or not plain linears"
-    if attn.qkv_proj.cpu_kernel is None or attn.o_proj.cpu_kernel is None:
-        return "the projections do not run on the CPU tile kernel"
+    if max_rows_of(attn.qkv_proj) == 0 or max_rows_of(attn.o_proj) == 0:
+        return "the projections run on neither the CPU tile kernel nor the 4-bit one"
     norms = [layer.input_layernorm, layer.post_attention_layernorm, *filter(None, (attn.q_norm, attn.k_norm))]
     if any(type(norm) is not RMSNorm for norm in norms) or len({norm.eps for norm in norms}) > 1:
         return "the norms are not RMSNorms of one eps"
     if attn.clip_qkv is not None or attn.qk_norm not in QK_NORMS or type(attn.rotary) is not RotaryEmbedding:
         return "the layer clips qkv, or its q/k norm or rotary is another kind"
-    if attn.rotary.cos.shape[-1] != attn.head_dim or attn.qkv_proj.weight.dtype not in SUFFIXES:
+    if attn.rotary.cos.shape[-1] != attn.head_dim or layer.input_layernorm.weight.dtype not in SUFFIXES:
         return "partial rotary, or a dtype the kernels do not take"
     return None
 
 
+def max_rows_of(linear: Linear) -> int:
+    """The most rows for which the projection runs the kernel the block runs (0: it never does)."""
+    if linear.fp4 is not None:
+        usable = fp4_linear.fp4_kernel() is not None and linear.fp4.shape[1] % ACT_BLOCK == 0
+        return fp4_linear.MAX_DOT_ROWS if usable else 0
+    return 0 if linear.cpu_kernel is None else linear.cpu_kernel.max_rows
+
+
+def proj_args(linear: Linear, dtype: torch.dtype) -> tuple[ProjArgs, list[Tensor]]:
+    """The projection as the kernel reads it, and the tensors it points into."""
+    bias = None if linear.bias is None else linear.bias.detach().to(dtype).contiguous()
+    if linear.fp4 is not None:
+        w = linear.fp4
+        return ProjArgs(*(_address(t) for t in (w.codes, bias, w.scales, w.row_scale)), 2, w.block), \
+            [w.codes, bias, w.scales, w.row_scale]
+    kernel = linear.cpu_kernel
+    return ProjArgs(_address(kernel.weight), _address(bias), None, None, int(kernel.on_amx), 0), [kernel.weight, bias]
+
+
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 class DecodeBlock:
-    """layer: a DecoderLayer (models/llama.py) whose projections run on the CPU tile kernel. Call it as the
-    layer's attention half: (x + attention(norm(x)), post_norm of that), or None where it does not apply."""
+    """layer: a DecoderLayer (models/llama.py) whose projections run on the CPU tile kernel or the 4-bit one.
+    Call it as the layer's attention half: (x + attention(norm(x)), post_norm of that), or None where it does
+    not apply."""
 
     def __init__(self, layer, library: ctypes.CDLL | None = None):
         if reason := unsupported_reason(layer):
             raise ValueError(f"decode block: {reason}")
         attn = layer.self_attn
-        self.dtype = attn.qkv_proj.weight.dtype
+        self.dtype = layer.input_layernorm.weight.dtype
         self.fn = getattr(library if library is not None else load_library(), f"decode_block_{SUFFIXES[self.dtype]}")
         self.fn.restype = None
         self.layer_idx, self.window = attn.attn.layer_idx, attn.attn.window
-        self.max_rows = min(attn.qkv_proj.cpu_kernel.max_rows, attn.o_proj.cpu_kernel.max_rows)
+        self.max_rows = min(max_rows_of(attn.qkv_proj), max_rows_of(attn.o_proj))
         self.hidden = layer.input_layernorm.weight.shape[0]
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         self.scratch_width = self.hidden + 2 * q_size + 2 * kv_size + q_size
+        self.float_scratch_width = 2 * self.hidden + q_size + 2 * kv_size
         self.tensors = self._tensors(layer)  # held: the struct points into them
         self.args = self._args(layer)
 
@@ -83,19 +116,18 @@ class DecodeBlock:
         cos, sin = attn.rotary.float_tables()
         return {"input_norm": layer.input_layernorm.weight.detach().contiguous(),
                 "post_norm": layer.post_attention_layernorm.weight.detach().contiguous(),
-                "qkv_weight": attn.qkv_proj.cpu_kernel.weight, "qkv_bias": _bias(attn.qkv_proj),
-                "o_weight": attn.o_proj.cpu_kernel.weight, "o_bias": _bias(attn.o_proj),
                 "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach().contiguous(),
                 "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach().contiguous(),
                 "cos": cos, "sin": sin, "sinks": sinks}
 
     def _args(self, layer) -> LayerArgs:
         attn = layer.self_attn
-        pointers = {name: None if t is None else t.data_ptr() for name, t in self.tensors.items()}
-        return LayerArgs(**pointers, hidden=self.hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                         head_dim=attn.head_dim, qk_norm=QK_NORMS[attn.qk_norm], window=self.window,
-                         qkv_amx=attn.qkv_proj.cpu_kernel.on_amx, o_amx=attn.o_proj.cpu_kernel.on_amx,
-                         eps=layer.input_layernorm.eps, scale=attn.attn.scale)
+        (qkv, qkv_tensors), (o, o_tensors) = (proj_args(p, self.dtype) for p in (attn.qkv_proj, attn.o_proj))
+        self.proj_tensors = qkv_tensors + o_tensors
+        pointers = {name: _address(t) for name, t in self.tensors.items()}
+        return LayerArgs(qkv, o, **pointers, hidden=self.hidden, num_heads=attn.num_heads,
+                         num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, qk_norm=QK_NORMS[attn.qk_norm],
+                         window=self.window, eps=layer.input_layernorm.eps, scale=attn.attn.scale)
 
     def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
         if not self.applies(x, meta):
@@ -106,8 +138,9 @@ class DecodeBlock:
             return None
         out = torch.empty(2, *x.shape, dtype=x.dtype)
         scratch = torch.empty(x.shape[0] * self.scratch_width, dtype=x.dtype)
+        float_scratch = torch.empty(x.shape[0] * self.float_scratch_width)
         self.fn(ctypes.byref(self.args), ctypes.byref(step), ptr(x), ptr(meta.layer_cache(self.layer_idx)),
-                ptr(out[0]), ptr(out[1]), ptr(scratch), num_threads())
+                ptr(out[0]), ptr(out[1]), ptr(scratch), ptr(float_scratch), num_threads())
         return out[0], out[1]
 
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
@@ -117,10 +150,6 @@ class DecodeBlock:
             return False
         groups = meta.for_layer(self.window).groups
         return len(groups) == 1 and groups[0].is_decode and not (torch.is_grad_enabled() and x.requires_grad)
-
-
-def _bias(linear: Linear) -> Tensor | None:
-    return None if linear.bias is None else linear.bias.detach().to(linear.cpu_kernel.weight.dtype).contiguous()
 
 
 def step_args(meta: AttentionMetadata, positions: Tensor) -> StepArgs | None:

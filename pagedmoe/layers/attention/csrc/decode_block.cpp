@@ -21,6 +21,9 @@ namespace decode_kernel {
 #include "paged_decode.cpp"
 }
 #undef EXPORT
+namespace fp4_kernel {
+#include "../../quantization/csrc/fp4_gemm.cpp"
+}
 
 namespace {
 
@@ -28,12 +31,22 @@ using tile_gemm::BF16;
 using tile_gemm::store;
 using tile_gemm::to_float;
 
+// A projection's weight: the tile kernel's packed panels (kind 0, or 1 on AMX tiles), or packed 4-bit codes
+// (kind 2) with a scale byte per block of 32 (MXFP4) or 16 (NVFP4, whose scale_2 is row_scale).
+struct Proj {
+    const void *weight, *bias;
+    const uint8_t *scales;
+    const float *row_scale;
+    int64_t kind, block;
+};
+
 // One layer's weights and sizes, fixed once its kernels are attached. qk_norm: 0 none, 1 per head (Qwen3),
 // 2 over all heads (OLMoE). Pointers are to the model's dtype unless named float.
 struct Layer {
-    const void *input_norm, *post_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias, *q_norm, *k_norm;
+    Proj qkv, o;
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
     const float *cos, *sin, *sinks;
-    int64_t hidden, num_heads, num_kv_heads, head_dim, qk_norm, window, qkv_amx, o_amx;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, qk_norm, window;
     float eps, scale;
 };
 
@@ -43,12 +56,30 @@ struct Step {
     int64_t tokens, max_blocks, num_blocks, block_size;
 };
 
+// As fp4_linear.py: the int8-dot kernel on float32 rows, the result rounded to T, then the bias added in T.
 template <typename T>
-void project(bool amx, const T *x, const void *w, const void *bias, T *out, int64_t rows, int64_t n, int64_t k,
+void project_fp4(const Proj &p, const T *x, T *out, float *scratch, int64_t rows, int64_t n, int64_t k,
+                 int num_threads) {
+    float *xf = scratch, *of = scratch + rows * k;
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = to_float(x[i]);
+    const fp4_kernel::Shape shape{rows, n, k, p.block, p.block == 32 ? 0 : 1};
+    fp4_kernel::fp4_gemm_impl(xf, (const uint8_t *)p.weight, p.scales, p.row_scale, of, shape, num_threads);
+    const T *bias = (const T *)p.bias;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < n; c++) {
+            store(out[r * n + c], of[r * n + c]);
+            if (bias) store(out[r * n + c], to_float(out[r * n + c]) + to_float(bias[c]));
+        }
+}
+
+template <typename T>
+void project(const Proj &p, const T *x, T *out, float *scratch, int64_t rows, int64_t n, int64_t k,
              int num_threads) {
     const linear_kernel::Shape shape{rows, n, k};
-    if (amx) return linear_kernel::linear<true>(x, (const T *)w, (const T *)bias, out, shape, num_threads);
-    linear_kernel::linear<false>(x, (const T *)w, (const T *)bias, out, shape, num_threads);
+    const T *w = (const T *)p.weight, *bias = (const T *)p.bias;
+    if (p.kind == 2) return project_fp4(p, x, out, scratch, rows, n, k, num_threads);
+    if (p.kind == 1) return linear_kernel::linear<true>(x, w, bias, out, shape, num_threads);
+    linear_kernel::linear<false>(x, w, bias, out, shape, num_threads);
 }
 
 // RMSNorm of q and k in place: every head's row (per head), or each token's q and k rows (over all heads).
@@ -84,17 +115,17 @@ void attend(const Layer &l, const Step &s, T *qkv, T *q, T *cache, T *out, int n
 }
 
 // out = x + attention(norm(x)); normed = post_norm(out). scratch: tokens * (hidden + 2 * q_size + 2 * kv_size
-// + q_size) elements.
+// + q_size) elements; float_scratch (4-bit projections): tokens * (2 * hidden + q_size + 2 * kv_size) floats.
 template <typename T>
 void decode_block(const Layer &l, const Step &s, const T *x, T *cache, T *out, T *normed, T *scratch,
-                  int num_threads) {
+                  float *float_scratch, int num_threads) {
     const int64_t n = s.tokens, q_size = l.num_heads * l.head_dim, width = q_size + 2 * l.num_kv_heads * l.head_dim;
     T *h = scratch, *qkv = h + n * l.hidden, *q = qkv + n * width, *attn = q + n * q_size;
     pointwise_kernel::rms_norm(x, (const T *)l.input_norm, h, n, l.hidden, l.eps, num_threads);
-    project<T>(l.qkv_amx, h, l.qkv_weight, l.qkv_bias, qkv, n, width, l.hidden, num_threads);
+    project(l.qkv, h, qkv, float_scratch, n, width, l.hidden, num_threads);
     if (l.qk_norm) qk_norms(l, qkv, n, width, num_threads);
     attend(l, s, qkv, q, cache, attn, num_threads);
-    project<T>(l.o_amx, attn, l.o_weight, l.o_bias, out, n, l.hidden, q_size, num_threads);
+    project(l.o, (const T *)attn, out, float_scratch, n, l.hidden, q_size, num_threads);
     for (int64_t i = 0; i < n * l.hidden; i++) store(out[i], to_float(x[i]) + to_float(out[i]));
     pointwise_kernel::rms_norm(out, (const T *)l.post_norm, normed, n, l.hidden, l.eps, num_threads);
 }
@@ -103,8 +134,8 @@ void decode_block(const Layer &l, const Step &s, const T *x, T *cache, T *out, T
 
 #define EXPORT(SUFFIX, T)                                                                                    \
     extern "C" void decode_block_##SUFFIX(const Layer *layer, const Step *step, const T *x, T *cache, T *out, \
-                                         T *normed, T *scratch, int num_threads) {                           \
-        decode_block(*layer, *step, x, cache, out, normed, scratch, num_threads);                            \
+                                         T *normed, T *scratch, float *float_scratch, int num_threads) {     \
+        decode_block(*layer, *step, x, cache, out, normed, scratch, float_scratch, num_threads);             \
     }
 EXPORT(f32, float)
 EXPORT(bf16, BF16)

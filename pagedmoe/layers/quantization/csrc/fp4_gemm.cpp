@@ -340,7 +340,8 @@ void dot_rows(const Acts &a, const uint8_t *codes, const uint8_t *scales, const 
     if constexpr (R == 1)
         for (float four[WEIGHT_ROWS]; n + WEIGHT_ROWS <= n1; n += WEIGHT_ROWS) {
             dot_row4(rows, codes + n * s.k / 2, scales + n * (s.k / s.block), s, four);
-            for (int i = 0; i < WEIGHT_ROWS; i++) out[r0 * s.n + n + i] = four[i] * (row_scale ? row_scale[n + i] : 1.0f);
+            for (int i = 0; i < WEIGHT_ROWS; i++)
+                out[r0 * s.n + n + i] = four[i] * (row_scale ? row_scale[n + i] : 1.0f);
         }
 #endif
     for (; n < n1; n++) {
