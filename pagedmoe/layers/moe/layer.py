@@ -8,6 +8,8 @@ from torch import Tensor, nn
 
 from pagedmoe.layers.linear import can_pack, nbytes, pack_weight
 from pagedmoe.layers.moe.cpu_kernel import KERNEL_ACTIVATIONS, CpuFusedMoE, load_library, unsupported_reason
+from pagedmoe.layers.moe.cpu_router import CpuRouter
+from pagedmoe.layers.moe.cpu_router import unsupported_reason as router_unsupported_reason
 from pagedmoe.layers.moe.fused_moe import ACTIVATIONS, expert_counts, fused_experts, looped_experts
 from pagedmoe.layers.moe.offload.store import ExpertWeightRef
 from pagedmoe.layers.moe.routers import RouterConfig, select_experts
@@ -93,10 +95,25 @@ class FusedMoE(nn.Module):
     cpu_experts: CpuFusedMoE | None = None
     cpu_kernel_kind = "moe"
 
+    cpu_router: CpuRouter | None = None
+
+    def use_cpu_router(self) -> bool:
+        """Routes decode-sized batches in one C++ call (cpu_router.py); False where it does not apply."""
+        has_bias = self.e_score_correction_bias is not None
+        if self.gate.weight.device.type != "cpu" or router_unsupported_reason(self.router, has_bias):
+            return False
+        try:
+            self.cpu_router = CpuRouter(self.router, self.float_gate)
+        except RuntimeError as error:
+            logger.warning("the MoE router falls back to PyTorch: %s", error)
+            return False
+        return True
+
     def use_cpu_kernel(self, min_bytes: int = 0) -> bool:
         """Runs decode-sized batches through the CPU fused-MoE kernel, and larger ones through the unpacked
         expert loop (as fast as oneDNN's packed copies there), so the weights are held twice, not three times.
-        False where the kernel does not apply (activation, biases, shapes)."""
+        False where the kernel does not apply (activation, biases, shapes). The router takes its kernel too."""
+        self.use_cpu_router()
         if self.expert_cache is not None:
             return self.expert_cache.use_cpu_kernel(self.activation)
         if self.fp4_experts is not None:
@@ -148,6 +165,16 @@ class FusedMoE(nn.Module):
             self._float_gate_key = key
         return self._float_gate
 
+    def route(self, x: Tensor, expert_load: Tensor | None) -> tuple[Tensor, Tensor]:
+        """select(x), with the routed-token counts added to expert_load ([experts] int64) where given."""
+        countable = expert_load is None or expert_load.dtype == torch.int64 and expert_load.is_contiguous()
+        if self.cpu_router is not None and countable and self.cpu_router.fits(x):
+            return self.cpu_router(x, expert_load)
+        topk_weights, topk_ids = self.select(x)
+        if expert_load is not None:
+            expert_load += expert_counts(topk_ids, self.num_experts)
+        return topk_weights, topk_ids
+
     def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's top-k experts and their weights."""
         return select_experts(self.router, self.router_logits(x), self.e_score_correction_bias)
@@ -160,9 +187,7 @@ class FusedMoE(nn.Module):
         own = x
         if self.token_exchange is not None:
             x = self.token_exchange.gather(x)
-        topk_weights, topk_ids = self.select(x)
-        if expert_load is not None:
-            expert_load += expert_counts(topk_ids, self.num_experts)
+        topk_weights, topk_ids = self.route(x, expert_load)
         if self.expert_map is not None:
             topk_ids = self.expert_map.local_ids(topk_ids)
         out = self.routed_output(x, topk_weights, topk_ids)
