@@ -48,6 +48,9 @@ class ModelFlops:
     v_dim: int
     expert_params: int = 0  # one routed expert's weights (w13 + w2) in one MoE layer
     kv_values_per_token: int = 0  # cached K/V values of one token over all layers
+    packed_params: int = 0  # of dense_params, those held packed in 4 bits (NVFP4 attention) ...
+    packed_bytes: int = 0  # ... and their bytes as held; the others read at the run's dtype
+    expert_bytes: int = 0  # one routed expert's bytes where the experts are held packed (0: at the run's dtype)
 
     @property
     def matmul_params(self) -> int:
@@ -74,8 +77,9 @@ class ModelFlops:
     def decode_bytes(self, num_steps: int, active_experts: int, context_tokens: int, element_size: int) -> dict:
         """Bytes read by num_steps decode steps that routed to active_experts experts (summed over layers and
         steps) and attended over context_tokens positions (summed over sequences and steps)."""
-        weights = ((self.dense_params + self.lm_head_params) * num_steps
-                   + self.expert_params * active_experts) * element_size
+        dense = (self.dense_params - self.packed_params) * element_size + self.packed_bytes
+        expert = self.expert_bytes or self.expert_params * element_size
+        weights = (dense + self.lm_head_params * element_size) * num_steps + expert * active_experts
         kv = self.kv_values_per_token * context_tokens * element_size
         return {"weight_bytes": weights, "kv_bytes": kv, "bytes": weights + kv}
 
@@ -86,15 +90,33 @@ def model_flops(model: nn.Module, hf_config) -> ModelFlops:
     excluded.add(id(model.lm_head.weight))
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     excluded |= {id(m.w13) for m in experts} | {id(m.w2) for m in experts}
-    dense = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in excluded)
-    active = sum(m.router.top_k * (m.w13[0].numel() + m.w2[0].numel()) for m in experts)
-    total = sum(m.w13.numel() + m.w2.numel() for m in experts)
+    matrices = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in excluded]
+    packed = [m.fp4 for m in model.modules() if getattr(m, "fp4", None) is not None]
+    packed_params, packed_bytes = sum(w.numel() for w in packed), sum(w.nbytes for w in packed)
+    dense = sum(p.numel() for p in matrices) + packed_params
+    active = sum(m.router.top_k * expert_params(m) for m in experts)
+    total = sum(m.num_experts * expert_params(m) for m in experts)
     qk_dim, v_dim = attention_dims(hf_config)
-    expert = experts[0].w13[0].numel() + experts[0].w2[0].numel() if experts else 0
+    expert = expert_params(experts[0]) if experts else 0
     num_kv_tensors, token_shape = model.kv_cache_token_shape()
     kv_values = hf_config.num_hidden_layers * num_kv_tensors * math.prod(token_shape)
     return ModelFlops(dense, active, total, model.lm_head.weight.numel(), hf_config.num_hidden_layers,
-                      hf_config.num_attention_heads, qk_dim, v_dim, expert, kv_values)
+                      hf_config.num_attention_heads, qk_dim, v_dim, expert, kv_values, packed_params, packed_bytes,
+                      packed_expert_bytes(experts[0]) if experts else 0)
+
+
+def expert_params(moe: FusedMoE) -> int:
+    """One routed expert's weights (gate, up and down), from the layer's sizes: packed 4-bit experts keep no
+    dense w13 / w2 to count."""
+    return 3 * moe.intermediate_size * moe.gate.in_features
+
+
+def packed_expert_bytes(moe: FusedMoE) -> int:
+    """One routed expert's bytes where the layer holds its experts packed in 4 bits, else 0."""
+    if moe.fp4_experts is None:
+        return 0
+    w13, w2 = moe.fp4_experts
+    return w13[0].nbytes + w2[0].nbytes
 
 
 def attention_dims(hf_config) -> tuple[int, int]:

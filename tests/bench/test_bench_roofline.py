@@ -98,3 +98,25 @@ def test_bandwidth_arithmetic_and_read_peak():
     assert b["achieved_bytes_s"] == 3e9 and b["bandwidth_pct"] == 50.0 and b["weight_bytes"] == 5e9
     read = read_bandwidth("cpu", nbytes=1 << 20, repeats=2)
     assert read["bytes"] == 1 << 20 and math.isclose(read["peak_bytes_s"], read["bytes"] / read["best_s"])
+
+
+def test_packed_4bit_models_count_as_their_dense_form(tmp_path):
+    """Packed 4-bit layers keep no dense weights to count (NVFP4 packs the experts and attention): the counts
+    come from their shapes, the same as the dequantized model's."""
+    from conftest import TINY_MOE_CONFIGS, save_random_model
+    from pagedmoe import LLM
+    from pagedmoe.layers.quantization.quantize import quantize_checkpoint
+    config = TINY_MOE_CONFIGS["gpt_oss"]()
+    save_random_model(config, tmp_path / "dense")
+    quantize_checkpoint(str(tmp_path / "dense"), str(tmp_path / "q"), "nvfp4")
+    counts = [model_flops(llm.engine.runner.model, llm.engine.config.hf_config) for llm in (
+        LLM(str(tmp_path / "q"), dtype="float32", skip_tokenizer_init=True, quantization_mode=mode)
+        for mode in ("packed", "dequantize"))]
+    held = ("packed_params", "packed_bytes", "expert_bytes")
+    assert all(getattr(counts[0], f) == getattr(counts[1], f) for f in vars(counts[0]) if f not in held)
+    assert counts[0].expert_params > 0 and counts[1].expert_bytes == counts[1].packed_bytes == 0
+    # packed: 4.5 bits a weight (codes and an E4M3 scale per 16) and NVFP4's float32 scale_2 per row
+    model = LLM(str(tmp_path / "q"), dtype="float32", skip_tokenizer_init=True).engine.runner.model
+    rows = sum(model.layers[0].mlp.fp4_experts[i][0].shape[0] for i in range(2))
+    assert counts[0].expert_bytes == counts[0].expert_params * 4.5 / 8 + 4 * rows
+    assert 0 < counts[0].packed_params <= counts[0].dense_params
