@@ -106,9 +106,9 @@ class DecodeBlock:
         self.hidden = layer.input_layernorm.weight.shape[0]
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         self.scratch_width = self.hidden + 2 * q_size + 2 * kv_size + q_size
-        self.float_scratch_width = 2 * self.hidden + q_size + 2 * kv_size
-        self.tensors = self._tensors(layer)  # held: the struct points into them
-        self.args = self._args(layer)
+        packed = attn.qkv_proj.fp4 is not None or attn.o_proj.fp4 is not None  # 4-bit projections take float rows
+        self.float_scratch_width = 2 * self.hidden + q_size + 2 * kv_size if packed else 0
+        self.args, self.tensors = self._args(layer)  # tensors: held, the struct points into them
 
     def _tensors(self, layer) -> dict[str, Tensor | None]:
         attn = layer.self_attn
@@ -120,19 +120,19 @@ class DecodeBlock:
                 "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach().contiguous(),
                 "cos": cos, "sin": sin, "sinks": sinks}
 
-    def _args(self, layer) -> LayerArgs:
-        attn = layer.self_attn
+    def _args(self, layer) -> tuple[LayerArgs, list[Tensor | None]]:
+        attn, tensors = layer.self_attn, self._tensors(layer)
         (qkv, qkv_tensors), (o, o_tensors) = (proj_args(p, self.dtype) for p in (attn.qkv_proj, attn.o_proj))
-        self.proj_tensors = qkv_tensors + o_tensors
-        pointers = {name: _address(t) for name, t in self.tensors.items()}
-        return LayerArgs(qkv, o, **pointers, hidden=self.hidden, num_heads=attn.num_heads,
+        pointers = {name: _address(t) for name, t in tensors.items()}
+        args = LayerArgs(qkv, o, **pointers, hidden=self.hidden, num_heads=attn.num_heads,
                          num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, qk_norm=QK_NORMS[attn.qk_norm],
                          window=self.window, eps=layer.input_layernorm.eps, scale=attn.attn.scale)
+        return args, [*tensors.values(), *qkv_tensors, *o_tensors]
 
     def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
+        meta = meta.for_layer(self.window)
         if not self.applies(x, meta):
             return None
-        meta = meta.for_layer(self.window)
         step = step_args(meta, positions)
         if step is None:
             return None
@@ -144,11 +144,12 @@ class DecodeBlock:
         return out[0], out[1]
 
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        """meta: the metadata this layer attends with (for_layer)."""
         if not cpu_ops.enabled or meta.decode_kernel is None or meta.triton is not None:
             return False
         if x.dtype != self.dtype or x.dim() != 2 or not x.is_contiguous() or x.shape[0] > self.max_rows:
             return False
-        groups = meta.for_layer(self.window).groups
+        groups = meta.groups
         return len(groups) == 1 and groups[0].is_decode and not (torch.is_grad_enabled() and x.requires_grad)
 
 

@@ -31,8 +31,8 @@ class RouterArgs(ctypes.Structure):
                 ("scaling", ctypes.c_float)]
 
 
-def unsupported_reason(config: RouterConfig, has_correction_bias: bool) -> str | None:
-    if config.kind not in KINDS or has_correction_bias:
+def unsupported_reason(config: RouterConfig) -> str | None:
+    if config.kind not in KINDS or config.has_correction_bias:
         return f"the CPU router takes {sorted(KINDS)} routers without a correction bias, got {config.kind}"
     return None
 
@@ -43,7 +43,7 @@ class CpuRouter:
     routed-token counts are added to expert_load ([experts] int64) where given."""
 
     def __init__(self, config: RouterConfig, float_gate, library: ctypes.CDLL | None = None):
-        if reason := unsupported_reason(config, config.has_correction_bias):
+        if reason := unsupported_reason(config):
             raise ValueError(reason)
         self.config, self.float_gate = config, float_gate
         self.library = library if library is not None else load_library()

@@ -99,8 +99,7 @@ class FusedMoE(nn.Module):
 
     def use_cpu_router(self) -> bool:
         """Routes decode-sized batches in one C++ call (cpu_router.py); False where it does not apply."""
-        has_bias = self.e_score_correction_bias is not None
-        if self.gate.weight.device.type != "cpu" or router_unsupported_reason(self.router, has_bias):
+        if self.gate.weight.device.type != "cpu" or router_unsupported_reason(self.router):
             return False
         try:
             self.cpu_router = CpuRouter(self.router, self.float_gate)
