@@ -157,8 +157,6 @@ def test_the_block_runs_packed_4bit_projections(reference, dtype, tmp_path, monk
     """NVFP4 quantises the attention projections too: the block runs them on the int8-dot kernel, bit-identical
     to fp4_linear, with no tile kernel forced (the engine attaches it on any CPU)."""
     arch, path, _, prompts = reference
-    if arch == "olmoe":  # the same projections as Llama's, its q/k norms are covered above
-        return
     quantize_checkpoint(path, str(tmp_path / "nvfp4"), "nvfp4")
     llm = LLM(str(tmp_path / "nvfp4"), dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False)
     layers = llm.engine.runner.model.layers
