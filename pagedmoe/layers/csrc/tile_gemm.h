@@ -83,9 +83,13 @@ inline float swigluoai(float gate, float up) {
 }
 
 // out[0..HALF) = silu(gate) * up for one row of a gate-up tile (its first HALF columns gate, the rest up).
+// In float first, so the silu vectorises for bf16 outputs too (one vector exp, not HALF scalar ones).
 template <typename T>
 inline void store_gated(T *out, const float *acc_row) {
-    for (int c = 0; c < HALF; c++) store(out[c], silu(acc_row[c]) * acc_row[HALF + c]);
+    alignas(64) float act[HALF];
+#pragma omp simd
+    for (int c = 0; c < HALF; c++) act[c] = silu(acc_row[c]) * acc_row[HALF + c];
+    for (int c = 0; c < HALF; c++) store(out[c], act[c]);
 }
 
 template <int M, typename A, typename W>
