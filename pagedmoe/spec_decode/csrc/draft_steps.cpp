@@ -15,6 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -39,37 +42,66 @@ struct Shape {
     float eps, scale;
 };
 
-// Four dot products of four weight rows with x (`in` long): one row's dot product is a chain of dependent FMAs
-// ending in a horizontal sum, and four at once hide each other's latency (the LM head's 2048 short rows ran at
-// a quarter of the speed one at a time).
-inline void dot4(const float *__restrict w, const float *__restrict x, int64_t in, float *__restrict out) {
-    const float *w0 = w, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-    for (int64_t i = 0; i < in; i++) {
-        d0 += w0[i] * x[i];
-        d1 += w1[i] * x[i];
-        d2 += w2[i] * x[i];
-        d3 += w3[i] * x[i];
-    }
-    out[0] = d0, out[1] = d1, out[2] = d2, out[3] = d3;
+// One vector register of floats, as wide as the target has.
+#if defined(__AVX512F__)
+constexpr int VLEN = 16;
+#elif defined(__AVX__)
+constexpr int VLEN = 8;
+#else
+constexpr int VLEN = 4;
+#endif
+typedef float fvec __attribute__((vector_size(VLEN * 4)));
+
+inline fvec load(const float *p) {
+    fvec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
 }
 
-// Y[r] = W X[r] for n rows of X ([n, in]) and a row-major [out, in] W, four weight rows at a time, each group
+// The sum of v's lanes by shuffles (omp simd's reductions stored the vector and added its lanes one by one:
+// ~100 cycles a dot product, more than the products themselves at these sizes).
+inline float lane_sum(fvec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX__)
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+#else
+    float sum = 0.0f;
+    for (int i = 0; i < VLEN; i++) sum += v[i];
+    return sum;
+#endif
+}
+
+// out[0..R) = R weight rows (row-major, `in` long) dotted with x: R independent accumulator chains hide each
+// other's FMA latency (one row's dot product is a chain of dependent FMAs).
+template <int R>
+inline void dot_rows(const float *__restrict w, const float *__restrict x, int64_t in, float *__restrict out) {
+    fvec acc[R] = {};
+    int64_t i = 0;
+    for (; i + VLEN <= in; i += VLEN) {
+        const fvec xv = load(x + i);
+        for (int r = 0; r < R; r++) acc[r] += load(w + r * in + i) * xv;
+    }
+    for (int r = 0; r < R; r++) {
+        float dot = lane_sum(acc[r]);
+        for (int64_t j = i; j < in; j++) dot += w[r * in + j] * x[j];
+        out[r] = dot;
+    }
+}
+
+// Y[r] = W X[r] for n rows of X ([n, in]) and a row-major [out, in] W, eight weight rows at a time, each group
 // read once for all n rows (the rows a drafter catches up on share every weight: one GEMV a row streamed the
-// head n times). noclone: GCC's clone of it for constant arguments lost the vectorisation (4x slower).
+// head n times). noclone: GCC's clone of it for constant arguments had lost the vectorisation (4x slower).
 __attribute__((noclone)) void gemm_rows(const float *__restrict w, const float *__restrict x, float *__restrict y,
                                         int64_t n, int64_t out, int64_t in) {
+    constexpr int GROUP = 8;
     int64_t o = 0;
-    for (; o + 4 <= out; o += 4)
-        for (int64_t r = 0; r < n; r++) dot4(w + o * in, x + r * in, in, y + r * out + o);
+    for (; o + GROUP <= out; o += GROUP)
+        for (int64_t r = 0; r < n; r++) dot_rows<GROUP>(w + o * in, x + r * in, in, y + r * out + o);
     for (; o < out; o++)
-        for (int64_t r = 0; r < n; r++) {
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < in; i++) dot += w[o * in + i] * x[r * in + i];
-            y[r * out + o] = dot;
-        }
+        for (int64_t r = 0; r < n; r++) dot_rows<1>(w + o * in, x + r * in, in, y + r * out + o);
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight.
