@@ -226,6 +226,7 @@ template <typename T>
 void paged_decode_any(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
                       const Shape &s, float scale, const float *sinks, int num_threads) {
     switch (s.head_dim) {
+        case 32: return paged_decode<32>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
         case 64: return paged_decode<64>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
         case 96: return paged_decode<96>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
         case 128: return paged_decode<128>(q, cache, block_tables, seq_lens, out, s, scale, sinks, num_threads);
