@@ -5,6 +5,7 @@ every run is a TLB miss, and the gather ran at a third of the copy bandwidth. Li
 mode (the common default) gives 2 MB pages to ranges marked MADV_HUGEPAGE before they are first touched.
 """
 import ctypes
+import gc
 import math
 import sys
 
@@ -51,3 +52,12 @@ def keep_freed_memory(threshold: int = KEEP_FREED_BYTES) -> bool:
         return libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, threshold) == 1
     except (OSError, AttributeError):
         return False
+
+
+def freeze_startup_heap():
+    """Moves what is alive once a server has started (the model's modules and tensors, its tables, the app) out
+    of the cyclic collector's reach, as vLLM's engine core does: a full collection walked ~220k such objects,
+    a ~60 ms pause inside whichever step it fell in (100M model). Once per process: a frozen cycle is never
+    collected."""
+    gc.collect()
+    gc.freeze()

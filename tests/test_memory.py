@@ -1,11 +1,13 @@
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
 
 import resource
 
-from pagedmoe.memory import HUGE_PAGE, empty_huge, keep_freed_memory, zeros_huge
+from pagedmoe.memory import HUGE_PAGE, empty_huge, freeze_startup_heap, keep_freed_memory, zeros_huge
 
 
 def test_small_tensors_are_plain():
@@ -37,3 +39,17 @@ def test_kept_freed_memory_is_reused_without_page_faults():
     assert keep_freed_memory()
     first = page_faults_of_a_fresh_64mb_tensor()
     assert page_faults_of_a_fresh_64mb_tensor() < max(first, 16384) // 10
+
+
+def test_the_startup_heap_is_collected_then_frozen():
+    class Node:
+        pass
+    cycle = Node()
+    cycle.self = cycle
+    garbage = weakref.ref(cycle)
+    del cycle  # unreachable: freed by the collection, not frozen with the rest
+    try:
+        freeze_startup_heap()
+        assert garbage() is None and gc.get_freeze_count() > 0 and gc.get_count()[2] == 0
+    finally:
+        gc.unfreeze()

@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedmoe.engine.async_engine import AsyncLLMEngine
+from pagedmoe.memory import freeze_startup_heap
 from pagedmoe.worker.cpu_threads import default_num_threads
 from pagedmoe.entrypoints.openai.cli_args import add_serve_args, main  # noqa: F401  (the `serve` subcommand)
 from pagedmoe.entrypoints.openai.dashboard import dashboard_router
@@ -145,6 +146,7 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
                     tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
+    freeze_startup_heap()
     deaths = []
     client.on_death = lambda error: (deaths.append(error), setattr(server, "should_exit", True))
     try:
