@@ -40,6 +40,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
     kv_transfer_params: dict | None = None  # a prefill instance's hand-off for the decode instance (vLLM's)
+    bad_input: bool = False  # the error came from the request's own parameters (a server answers 400)
 
 
 @dataclass

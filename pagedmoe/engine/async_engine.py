@@ -47,6 +47,10 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; the engine and the other requests go on."""
 
 
+class RequestRejectedError(RequestFailedError):
+    """This request failed inside the engine on its own parameters (e.g. constraints that exclude every token)."""
+
+
 class QueueFullError(RuntimeError):
     pass
 
@@ -100,7 +104,8 @@ class RequestStream:
             raise item
         self.finished = item.finished
         if item.error is not None:
-            raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
+            failure = RequestRejectedError if item.bad_input else RequestFailedError
+            raise failure(f"request {self.request_id} failed: {item.error}")
         return item
 
     def close(self):

@@ -23,6 +23,11 @@ def is_fatal(error: BaseException) -> bool:
     return not isinstance(error, Exception) or isinstance(error, fatal) or getattr(error, "is_fatal", False)
 
 
+def is_bad_input(error: BaseException) -> bool:
+    """An error that marks itself as caused by the request's own parameters (a server answers 400)."""
+    return getattr(error, "is_bad_input", False)
+
+
 def split_by_request(sched: SchedulerOutput) -> list[tuple[Request, SchedulerOutput]]:
     """One SchedulerOutput per request, in schedule order, without block transfers (the step applied them)."""
     parts: dict[str, tuple[Request, SchedulerOutput]] = {}

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from pagedmoe.beam_search import BeamCandidate, BeamSearchParams, beam_score, select_beams
 from pagedmoe.config import EngineConfig
 from pagedmoe.engine.detokenizer import Detokenizer
-from pagedmoe.engine.isolation import EngineStepError, describe, failures_into, is_fatal, split_by_request
+from pagedmoe.engine.isolation import (EngineStepError, describe, failures_into, is_bad_input, is_fatal,
+                                       split_by_request)
 from pagedmoe.engine.kv_cache_factory import make_kv_cache_manager
 from pagedmoe.engine.output_kind import as_output_kind, wants_output
 from pagedmoe.engine.scheduler import Scheduler, SchedulerOutput
@@ -291,7 +292,7 @@ class LLMEngine:
         written leave the prefix cache."""
         for request, error in failed.values():
             logger.error("request %s failed: %s", request.request_id, describe(error), exc_info=error)
-            request.error = describe(error)
+            request.error, request.bad_input = describe(error), is_bad_input(error)
             for seq in request.seqs:
                 if not seq.is_finished:
                     seq.finish_reason = "error"
@@ -523,7 +524,8 @@ class LLMEngine:
                    for i, s in enumerate(_ranked_seqs(request, finished))]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished, request.metrics,
-                             request.num_cached_tokens or 0, request.error, request.kv_transfer_params_out)
+                             request.num_cached_tokens or 0, request.error, request.kv_transfer_params_out,
+                             request.bad_input)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forgets every cached block not in use; True when no block was in use (the cache is empty)."""

@@ -37,6 +37,7 @@ class Request:
         self.beam = None  # BeamSearchParams for a beam-search request
         self.finished_beams: list[Sequence] = []
         self.error: str | None = None  # why the request failed (its outputs end with finish_reason "error")
+        self.bad_input = False  # it failed on its own parameters (a server answers 400)
         self.num_sent: dict[int, tuple[int, int, int]] = {}  # DELTA outputs: tokens, chars, logprobs sent per index
 
     @property

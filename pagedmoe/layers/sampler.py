@@ -83,6 +83,11 @@ class Sampler:
         return token_ids
 
 
+class NoTokenAllowedError(ValueError):
+    """The request's own constraints leave no token to sample: its input's fault, not the engine's."""
+    is_bad_input = True  # engine/isolation.py: a server answers it with a 400
+
+
 def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """min_tokens bans, logit_bias / allowed_token_ids / bad_words, then the grammar's bitmask. A row left
     with no token raises: the engine fails that request alone (engine/isolation.py)."""
@@ -94,7 +99,7 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         logits = logits.masked_fill(~unpack_bitmask(batch.token_bitmask, logits.shape[-1]), float("-inf"))
     if batch.logit_bias is not None or batch.token_bitmask is not None:
         if bool(torch.isneginf(logits.amax(dim=-1)).any()):
-            raise ValueError("no token may be sampled: allowed_token_ids, logit_bias, bad_words and the "
+            raise NoTokenAllowedError("no token may be sampled: allowed_token_ids, logit_bias, bad_words and the "
                              "structured output's grammar together exclude every token")
     return logits
 

@@ -89,6 +89,23 @@ def test_a_request_failing_in_a_step_answers_500_alone(text_model, monkeypatch):
         wait_all_blocks_free(running)
 
 
+def test_constraints_that_exclude_every_token_answer_400_alone(text_model):
+    """allowed_token_ids of EOS alone under a grammar that must first write "yes": found out in the step, the
+    request's own fault (400; on a stream, an invalid_request_error event), while the others go on."""
+    excluding = {"model": MODEL, "prompt": "ROMEO", "max_tokens": 4, "allowed_token_ids": [text_model[2].eos_token_id],
+                 "structured_outputs": {"choice": ["yes"]}}
+    with serve(text_model[0], num_kv_blocks=256) as running:
+        url = f"{running.url}/v1/completions"
+        bodies = [{"model": MODEL, "prompt": f"ROMEO {i}", "max_tokens": 4, "ignore_eos": True} for i in range(3)]
+        responses = asyncio.run(_post_all(url, [bodies[0], excluding, bodies[1], bodies[2]]))
+        assert responses[1].status_code == 400 and "no token may be sampled" in responses[1].text
+        assert responses[1].json()["error"]["type"] == "invalid_request_error"
+        assert all(r.status_code == 200 for i, r in enumerate(responses) if i != 1)
+        streamed = httpx.post(url, json={**excluding, "stream": True}, headers=HEADERS, timeout=60)
+        assert streamed.status_code == 200 and '"type": "invalid_request_error"' in streamed.text
+        wait_all_blocks_free(running)
+
+
 async def _post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(headers=HEADERS, timeout=60) as client:
         return await asyncio.gather(*(client.post(url, json=body) for body in bodies))

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedmoe.engine.async_engine import EngineDeadError, QueueFullError
+from pagedmoe.engine.async_engine import EngineDeadError, QueueFullError, RequestRejectedError
 
 RETRY_AFTER_SECONDS = 1
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -67,6 +67,7 @@ def install_error_handlers(app: FastAPI):
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(QueueFullError, _queue_full)
     app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(RequestRejectedError, _request_rejected)
     app.add_exception_handler(Exception, _internal_error)
 
 
@@ -126,6 +127,10 @@ async def _queue_full(request: Request, e: QueueFullError):
 
 async def _engine_dead(request: Request, e: EngineDeadError):
     return error_response(503, str(e), code="engine_dead")
+
+
+async def _request_rejected(request: Request, e: RequestRejectedError):
+    return error_response(400, str(e), code="invalid_value")
 
 
 async def _internal_error(request: Request, e: Exception):

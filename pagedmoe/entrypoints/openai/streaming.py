@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedmoe.engine.async_engine import EngineDeadError, RequestStream
+from pagedmoe.engine.async_engine import EngineDeadError, RequestRejectedError, RequestStream
 from pagedmoe.entrypoints.openai.errors import APIError
 from pagedmoe.outputs import CompletionOutput, RequestOutput
 
@@ -73,6 +73,9 @@ def sse(data: dict) -> str:
 
 def error_event(error: Exception) -> str:
     """A failure after the 200 went out: the OpenAI client raises it from the stream."""
+    if isinstance(error, RequestRejectedError):  # the request's own parameters, found out while it ran
+        return sse({"error": {"message": str(error), "type": "invalid_request_error", "param": None,
+                              "code": "invalid_value"}})
     code = "engine_dead" if isinstance(error, EngineDeadError) else "internal_error"
     return sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": code}})
 
