@@ -99,8 +99,8 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         logits = logits.masked_fill(~unpack_bitmask(batch.token_bitmask, logits.shape[-1]), float("-inf"))
     if batch.logit_bias is not None or batch.token_bitmask is not None:
         if bool(torch.isneginf(logits.amax(dim=-1)).any()):
-            raise NoTokenAllowedError("no token may be sampled: allowed_token_ids, logit_bias, bad_words and the "
-                             "structured output's grammar together exclude every token")
+            raise NoTokenAllowedError("no token may be sampled: allowed_token_ids, logit_bias, bad_words and "
+                                      "the structured output's grammar together exclude every token")
     return logits
 
 

@@ -42,11 +42,16 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object for a status: the response body's, or a stream's error event's."""
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": _encodable(message), "type": kind, "param": param and _encodable(param),
+                      "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    body = {"message": _encodable(message), "type": kind, "param": param and _encodable(param), "code": code}
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def _encodable(text: str) -> str:

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedmoe.engine.async_engine import EngineDeadError, RequestRejectedError, RequestStream
-from pagedmoe.entrypoints.openai.errors import APIError
+from pagedmoe.entrypoints.openai.errors import APIError, error_body
 from pagedmoe.outputs import CompletionOutput, RequestOutput
 
 DONE = "data: [DONE]\n\n"
@@ -74,10 +74,9 @@ def sse(data: dict) -> str:
 def error_event(error: Exception) -> str:
     """A failure after the 200 went out: the OpenAI client raises it from the stream."""
     if isinstance(error, RequestRejectedError):  # the request's own parameters, found out while it ran
-        return sse({"error": {"message": str(error), "type": "invalid_request_error", "param": None,
-                              "code": "invalid_value"}})
+        return sse(error_body(400, str(error), code="invalid_value"))
     code = "engine_dead" if isinstance(error, EngineDeadError) else "internal_error"
-    return sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": code}})
+    return sse(error_body(500, str(error), code=code))
 
 
 class SSEResponse(StreamingResponse):

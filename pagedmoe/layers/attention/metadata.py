@@ -108,7 +108,7 @@ def rows_as_decodes(query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     for i, (n, seq_len) in enumerate(zip(lens_of_queries, seq_lens.tolist())):
         rows = n if 1 < n <= MAX_SHORT_QUERY else 1
         seq_index += [i] * rows
-        lens += range(seq_len - n + 1, seq_len + 1) if rows > 1 else [seq_len]
+        lens += range(seq_len - rows + 1, seq_len + 1)
         new_query_lens += [1] * rows if rows > 1 else [n]
     as_tensor = functools.partial(torch.tensor, dtype=query_lens.dtype, device=query_lens.device)
     return as_tensor(new_query_lens), as_tensor(lens), block_tables[as_tensor(seq_index)]

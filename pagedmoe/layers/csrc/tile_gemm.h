@@ -82,14 +82,20 @@ inline float swigluoai(float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-1.702f * gate)));
 }
 
-// out[0..HALF) = silu(gate) * up for one row of a gate-up tile (its first HALF columns gate, the rest up).
-// In float first, so the silu vectorises for bf16 outputs too (one vector exp, not HALF scalar ones).
-template <typename T>
-inline void store_gated(T *out, const float *acc_row) {
+// out[0..HALF) = activation(gate, up) for one row of a gate-up tile (its first HALF columns gate, the rest
+// up). In float first, so the activation vectorises for bf16 outputs too (one vector exp, not HALF scalar ones).
+template <typename T, typename Activation>
+inline void store_activation(T *out, const float *acc_row, Activation activation) {
     alignas(64) float act[HALF];
 #pragma omp simd
-    for (int c = 0; c < HALF; c++) act[c] = silu(acc_row[c]) * acc_row[HALF + c];
+    for (int c = 0; c < HALF; c++) act[c] = activation(acc_row[c], acc_row[HALF + c]);
     for (int c = 0; c < HALF; c++) store(out[c], act[c]);
+}
+
+// out[0..HALF) = silu(gate) * up.
+template <typename T>
+inline void store_gated(T *out, const float *acc_row) {
+    store_activation(out, acc_row, [](float gate, float up) { return silu(gate) * up; });
 }
 
 template <int M, typename A, typename W>

@@ -15,9 +15,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
+
+#include "../../layers/csrc/tile_gemm.h"
 
 namespace {
 
@@ -42,28 +41,16 @@ struct Shape {
     float eps, scale;
 };
 
-// One vector register of floats, as wide as the target has.
-#if defined(__AVX512F__)
-constexpr int VLEN = 16;
-#elif defined(__AVX__)
-constexpr int VLEN = 8;
-#else
-constexpr int VLEN = 4;
-#endif
-typedef float fvec __attribute__((vector_size(VLEN * 4)));
-
-inline fvec load(const float *p) {
-    fvec v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
+using tile_gemm::fvec;
+using tile_gemm::load;
+using tile_gemm::VLEN;
 
 // The sum of v's lanes by shuffles (omp simd's reductions stored the vector and added its lanes one by one:
 // ~100 cycles a dot product, more than the products themselves at these sizes).
 inline float lane_sum(fvec v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
-#elif defined(__AVX__)
+#elif defined(__AVX2__)  // tile_gemm.h includes the intrinsics from AVX2 on
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
     const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));

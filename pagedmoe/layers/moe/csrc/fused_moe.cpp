@@ -39,10 +39,7 @@ inline void store_activated(T *out, float *acc_row, const Epilogue &ep, int64_t 
     if (ep.b13)
         for (int c = 0; c < PANEL; c++) acc_row[c] += ep.b13[expert * 2 * inter + panel * PANEL + c];
     if (ep.activation == 0) return store_gated(out, acc_row);
-    alignas(64) float act[HALF];  // in float first, so it vectorises for bf16 outputs too
-#pragma omp simd
-    for (int c = 0; c < HALF; c++) act[c] = swigluoai(acc_row[c], acc_row[HALF + c]);
-    for (int c = 0; c < HALF; c++) store(out[c], act[c]);
+    store_activation(out, acc_row, [](float gate, float up) { return swigluoai(gate, up); });
 }
 
 struct Buckets {
