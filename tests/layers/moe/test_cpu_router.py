@@ -32,6 +32,17 @@ def boundary_ties(layer: FusedMoE, x: torch.Tensor, top_k: int) -> torch.Tensor:
     return scores[:, top_k - 1] == scores[:, top_k] if scores.shape[1] > top_k else torch.zeros(len(x), dtype=bool)
 
 
+def rounding_ties(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """bfloat16: tokens with a logit whose float32 sum lies within summation-order error of a bf16 rounding
+    midpoint; the kernel may round it to the other neighbour, a whole bf16 step (hypothesis found one whose
+    weights then differed by 2e-3)."""
+    if x.dtype != torch.bfloat16:
+        return torch.zeros(len(x), dtype=torch.bool)
+    logits = torch.nn.functional.linear(x.float(), *layer.float_gate())
+    low, high = (logits - 1e-5 * (1 + logits.abs())).bfloat16(), (logits + 1e-5 * (1 + logits.abs())).bfloat16()
+    return (low != high).any(dim=-1)
+
+
 @settings(max_examples=30, deadline=None)
 @given(router=st.sampled_from(ROUTERS), experts=st.sampled_from([4, 8, 16, 64]), hidden=st.sampled_from([32, 96, 576]),
        tokens=st.integers(1, cpu_router.MAX_TOKENS), gate_bias=st.booleans(),
@@ -43,7 +54,7 @@ def test_the_kernel_routes_as_pytorch(router, experts, hidden, tokens, gate_bias
         expected_weights, expected_ids = layer.select(x)
         assert layer.use_cpu_router()
         weights, ids = layer.cpu_router(x)
-    same = ~boundary_ties(layer, x, router.top_k)
+    same = ~boundary_ties(layer, x, router.top_k) & ~rounding_ties(layer, x)
     assert torch.equal(ids[same], expected_ids[same])
     # the gate's sums run in another order: logits of ~10 differ by float32 rounding, weights by ~1e-5
     torch.testing.assert_close(weights[same], expected_weights[same], atol=1e-5, rtol=1e-4)
