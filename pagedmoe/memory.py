@@ -4,6 +4,7 @@ The paged KV cache is read as thousands of scattered 4 KB runs per layer and ste
 every run is a TLB miss, and the gather ran at a third of the copy bandwidth. Linux with THP in `madvise`
 mode (the common default) gives 2 MB pages to ranges marked MADV_HUGEPAGE before they are first touched.
 """
+import atexit
 import ctypes
 import gc
 import math
@@ -55,9 +56,22 @@ def keep_freed_memory(threshold: int = KEEP_FREED_BYTES) -> bool:
 
 
 def freeze_startup_heap():
-    """Moves what is alive once a server has started (the model's modules and tensors, its tables, the app) out
-    of the cyclic collector's reach, as vLLM's engine core does: a full collection walked ~220k such objects,
-    a ~60 ms pause inside whichever step it fell in (100M model). Once per process: a frozen cycle is never
-    collected."""
+    """Moves what is alive once an engine or a server has started (the model's modules and tensors, its tables,
+    the app) out of the cyclic collector's reach, as vLLM's engine core does: a full collection walked ~220k
+    such objects, a ~60-100 ms pause inside whichever step it fell in. Frozen objects are still freed by their
+    reference counts (an engine dropped is freed); only cyclic garbage alive at the freeze would stay, and at
+    exit the heap is unfrozen so that the last collection reaches it (nanobind reported xgrammar's objects as
+    leaked otherwise)."""
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit.registered:
+        atexit.register(_unfreeze_at_exit)
+        _unfreeze_at_exit.registered = True
+
+
+def _unfreeze_at_exit():
+    gc.unfreeze()
+    gc.collect()
+
+
+_unfreeze_at_exit.registered = False

@@ -103,10 +103,11 @@ class KVCacheManager:
     def _num_slots(self, seq: Sequence, num_new_tokens: int) -> int:
         """The step's tokens, plus the lookahead slots a draft model writes, up to the sequence's last token."""
         num_slots = seq.num_computed_tokens + num_new_tokens
-        if self.num_lookahead_tokens:
-            last = seq.num_prompt_tokens + seq.params.max_tokens
-            num_slots = max(num_slots, min(num_slots + self.num_lookahead_tokens, last))
-        return num_slots
+        if not self.num_lookahead_tokens:
+            return num_slots
+        last = seq.num_prompt_tokens + seq.request.params.max_tokens
+        with_lookahead = num_slots + self.num_lookahead_tokens
+        return with_lookahead if with_lookahead <= last else max(num_slots, last)  # twice a sequence a step: no min()
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[PrefixHit] = (),
                        delay_cache: bool = False) -> bool:

@@ -22,11 +22,13 @@ from pagedmoe.engine_args import engine_config
 from pagedmoe.inputs import PromptType
 from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.kv_transfer.zmq_publisher import make_publisher
+from pagedmoe.memory import freeze_startup_heap
 from pagedmoe.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.spec_decode.acceptance import num_accepted
 from pagedmoe.spec_decode.adaptive import decode_step_kind, make_switch
-from pagedmoe.spec_decode.proposer import SpecDecodeStats, can_speculate, make_proposer, max_draft_tokens
+from pagedmoe.spec_decode.draft_model import can_speculate
+from pagedmoe.spec_decode.proposer import SpecDecodeStats, make_proposer, max_draft_tokens
 from pagedmoe.structured_output.manager import StructuredOutputManager
 from pagedmoe.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -91,6 +93,7 @@ class LLMEngine:
         self._proposal_s = 0.0  # time the last step spent drafting
         self.spec_decode_stats = SpecDecodeStats()
         self.kv_events = make_publisher(config.kv_events_config, self.kv)
+        freeze_startup_heap()  # as vLLM's EngineCore, offline too: a full collection walked it all (~100 ms)
 
     def _publish_kv_events(self):
         if self.kv_events is not None:
@@ -309,8 +312,7 @@ class LLMEngine:
             self.expert_load += out.expert_load.cpu()
         self._append_prompt_logprobs(sched, out)
         if out.hidden_states is not None:
-            _stash_hidden_states(sched, out.hidden_states)
-            self.proposer.bound_hidden(sched.seqs)
+            self.proposer.stash_hidden(sched.seqs, sched.num_new_tokens, out.hidden_states)
         touched = self._append_samples(out, now)
         if self.proposer is not None:
             start = time.perf_counter()
@@ -553,16 +555,6 @@ def _advance_grammar(seq: Sequence, token_id: int):
         raise ValueError(f"structured_outputs: token {token_id} is not allowed by the grammar")
     if seq.grammar.is_terminated and seq.finish_reason is None:
         seq.finish_reason = "stop"
-
-
-def _stash_hidden_states(sched: SchedulerOutput, hidden: torch.Tensor):
-    """Each sequence's hidden states of the step's positions, kept until its MTP / EAGLE proposer reads them
-    (not for sequences that never draft)."""
-    offset, hidden = 0, hidden.clone()  # one copy a step (one a sequence cost ~2 us each at batch 64)
-    for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
-        if can_speculate(seq):
-            seq.spec_hidden.append(hidden[offset:offset + num_new])
-        offset += num_new
 
 
 def _ranked_seqs(request: Request, finished: bool) -> list[Sequence]:

@@ -112,7 +112,7 @@ class Sequence:
 
     def keep_hidden(self, num_rows: int):
         """The first num_rows stashed hidden states (the rest were at rejected positions)."""
-        if sum(len(chunk) for chunk in self.spec_hidden) > num_rows:
+        if sum(chunk.shape[0] for chunk in self.spec_hidden) > num_rows:
             self.spec_hidden = [torch.cat(self.spec_hidden)[:num_rows]]
 
     def drop_drafts(self):

@@ -113,10 +113,13 @@ class AdaptiveSwitch:
 def decode_step_kind(sched) -> bool | None:
     """Read before the step runs: None for a step with prompt (or recomputed) tokens, else whether it
     verifies draft tokens."""
+    num_drafts = 0
     for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
-        if seq.num_computed_tokens != len(seq) - 1 or num_new != 1 + len(seq.spec_token_ids):
+        drafts = len(seq.spec_token_ids)
+        if num_new != 1 + drafts or seq.num_computed_tokens != len(seq.token_ids) - 1:
             return None
-    return any(seq.spec_token_ids for seq in sched.seqs)
+        num_drafts += drafts
+    return num_drafts > 0
 
 
 def make_switch(config) -> AdaptiveSwitch | None:

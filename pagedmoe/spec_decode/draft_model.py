@@ -18,15 +18,33 @@ from pagedmoe.worker.kv_cache import KVCacheStorage, block_bytes
 from pagedmoe.worker.model_loader import prepare_model
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-CATCH_UP_ROWS, MIN_CATCH_UP = 256, 16  # a drafter far behind catches up over its last positions only
+CATCH_UP_ROWS, MIN_CATCH_UP = 256, 4  # a drafter far behind catches up over its last positions only: this many
+#  rows for a proposal in all, at least MIN_CATCH_UP a sequence (16 had made a probe of speculation at batch 64 cost
+#  11 ms of catch-up before its verify step)
+
+
+def can_speculate(seq) -> bool:
+    """Beam search runs without drafts (its candidates are ranked per step, not sampled). Penalties and
+    min_tokens bans apply per draft position, each row seeing the drafts before it (ModelRunner)."""
+    return seq.request.beam is None
 
 
 def skip_positions(seq, skip: int):
     """The drafter skips the next `skip` positions it has not caught up on (and their stashed hidden states,
     MTP / EAGLE) and attends from the position after them."""
     if seq.spec_hidden:
-        seq.spec_hidden = [torch.cat(seq.spec_hidden)[skip:]]
+        seq.spec_hidden = drop_rows(seq.spec_hidden, skip)
     seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+
+
+def drop_rows(chunks: list[torch.Tensor], num_rows: int) -> list[torch.Tensor]:
+    """The rows after the first num_rows, as one chunk; the chunks wholly dropped are not copied (a cat of a
+    bounded stash, 65 one-row chunks, had cost ~47 us a sequence)."""
+    index = 0
+    while index < len(chunks) and chunks[index].shape[0] <= num_rows:  # shape[0]: len() of a tensor is slower
+        num_rows -= chunks[index].shape[0]
+        index += 1
+    return [torch.cat(chunks[index:])[num_rows:]] if index < len(chunks) else []
 
 
 @dataclass
@@ -53,9 +71,6 @@ class DraftModelProposer:
         self.model = prepare_model(self.config)
         self.dense_step = FusedDraftModel.of(self.model)
         self.setup(config)
-
-    def bound_hidden(self, seqs):
-        """Where the proposer can skip positions (EAGLE-3), it bounds what each sequence keeps stashed."""
 
     def setup(self, config):
         self.num_kv_tensors, self.token_shape = self.model.kv_cache_token_shape()

@@ -13,14 +13,15 @@ from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
-from pagedmoe.spec_decode.draft_model import CATCH_UP_ROWS, MIN_CATCH_UP, DraftInputs, skip_positions
+from pagedmoe.spec_decode.draft_model import CATCH_UP_ROWS, MIN_CATCH_UP, DraftInputs, can_speculate, skip_positions
 from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-MAX_STASHED_STEPS = 64  # a sequence that drafted in none of its last this many steps keeps MIN_CATCH_UP rows
+MAX_STASHED_STEPS, KEPT_ROWS = 64, 16  # a sequence that drafted in none of its last this many steps keeps
+#                                        KEPT_ROWS rows
 
 
 def vllm_aux_layers(num_layers: int) -> list[int]:
@@ -130,15 +131,16 @@ class Eagle3Proposer(MTPProposer):
         for seq in seqs:
             skip_behind(seq, limit)
 
-    def bound_hidden(self, seqs):
-        """While speculation is off (at batch 64), every step stashed a sequence's hidden states until it
-        finished: the memory held grew by a tensor a step and cost ~6% of each step's time. A sequence that
-        has not drafted for MAX_STASHED_STEPS steps keeps the rows a catch-up would read at large batches."""
-        if not self._can_fuse():
-            return
-        for seq in seqs:
-            if len(seq.spec_hidden) > MAX_STASHED_STEPS:
-                skip_behind(seq, MIN_CATCH_UP)
+    def stash_hidden(self, seqs: list, num_new_tokens: list[int], hidden: torch.Tensor):
+        """As MTP's, bounded: while speculation is off (at batch 64) a sequence's stash grew by a view a step
+        until it finished, which cost ~6% of each step's time. A sequence that has not drafted for
+        MAX_STASHED_STEPS steps keeps the rows a catch-up would read at large batches."""
+        can_skip = self._can_fuse()
+        for seq, rows in zip(seqs, hidden.split(num_new_tokens)):
+            if can_speculate(seq):
+                seq.spec_hidden.append(rows)
+                if can_skip and len(seq.spec_hidden) > MAX_STASHED_STEPS:
+                    skip_behind(seq, KEPT_ROWS)
 
     def step_ks(self, seqs, ks: list[int]) -> list[int]:
         return ks  # its steps attend from each sequence's first position (_step)

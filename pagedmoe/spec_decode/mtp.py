@@ -16,7 +16,7 @@ from pagedmoe.layers.linear import Linear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM
 from pagedmoe.models.llama import _copy_param
-from pagedmoe.spec_decode.draft_model import DraftInputs, DraftModelProposer
+from pagedmoe.spec_decode.draft_model import DraftInputs, DraftModelProposer, can_speculate
 from pagedmoe.worker.model_loader import finish_model, num_weight_elements, weight_files
 
 OWN_WEIGHTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "norm",
@@ -116,6 +116,13 @@ class MTPProposer(DraftModelProposer):
 
     def next_inputs(self, seqs, tokens: list[int], hidden: torch.Tensor, step: int) -> DraftInputs:
         return DraftInputs([[t] for t in tokens], [seq.num_computed_tokens - 1 + step for seq in seqs], hidden)
+
+    def stash_hidden(self, seqs: list, num_new_tokens: list[int], hidden: torch.Tensor):
+        """Each sequence's rows of the step's hidden states (the runner's tensor, kept: a view a sequence, no
+        copy), until a proposal reads them; none for sequences that never draft."""
+        for seq, rows in zip(seqs, hidden.split(num_new_tokens)):
+            if can_speculate(seq):
+                seq.spec_hidden.append(rows)
 
     def advance(self, seq, step: int):
         if step == 0:

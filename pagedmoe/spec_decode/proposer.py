@@ -30,12 +30,6 @@ class SpecDecodeStats:
             self.num_accepted_tokens_per_pos[pos] += 1
 
 
-def can_speculate(seq) -> bool:
-    """Beam search runs without drafts (its candidates are ranked per step, not sampled). Penalties and
-    min_tokens bans apply per draft position, each row seeing the drafts before it (ModelRunner)."""
-    return seq.request.beam is None
-
-
 def max_draft_tokens(seq, k: int, max_model_len: int) -> int:
     """k, capped so that the drafts and the token after them fit max_tokens and max_model_len."""
     return max(min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq) - 1), 0)

@@ -279,10 +279,11 @@ class ModelRunner:
         return apply_logits_processors(logits.float(), _sampling_rows(seqs, num_samples))
 
     def _drafter_hidden(self, hidden: torch.Tensor, meta) -> torch.Tensor | None:
-        """What the proposer drafts from: the final hidden states (MTP) or those entering its layers (EAGLE-3)."""
+        """What the proposer drafts from: the final hidden states (MTP) or those entering its layers (EAGLE-3),
+        in a tensor of their own (the engine keeps views of it; a replayed graph's output is reused)."""
         if self.drafter is None or not self.drafter.uses_hidden_states:
             return None
-        return torch.cat(meta.aux_hidden, dim=-1) if meta.aux_hidden_layers else hidden
+        return torch.cat(meta.aux_hidden, dim=-1) if meta.aux_hidden_layers else hidden.clone()
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan):

@@ -196,3 +196,12 @@ def test_a_draft_model_never_kept_from_drafting_never_skips(models, monkeypatch)
     prompts = make_prompts(3, seed=6, min_len=10, max_len=20)
     assert greedy_tokens(llm, prompts, NUM_NEW) == [hf_greedy(target, p, NUM_NEW) for p in prompts]
     assert firsts and not any(firsts)
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 5, 6, 7])
+def test_drop_rows_keeps_the_rows_after_the_first_num_rows_as_one_chunk(num_rows):
+    rows = torch.arange(12.0).view(6, 2)
+    chunks = [rows[:2], rows[2:3], rows[3:6]]
+    kept = draft_model.drop_rows(chunks, num_rows)
+    assert len(kept) <= 1
+    assert torch.equal(torch.cat(kept) if kept else rows[6:], rows[num_rows:])

@@ -206,9 +206,9 @@ def test_a_sequence_that_does_not_draft_keeps_a_bounded_stash(head_dir, monkeypa
     spec = {"method": "eagle3", "model": head_path, "num_speculative_tokens": K, "adaptive": False,
             "disable_by_batch_size": 2}
     llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
-    longest, stashed = [], llm.engine.proposer.bound_hidden
-    monkeypatch.setattr(llm.engine.proposer, "bound_hidden", lambda seqs: (
-        stashed(seqs), longest.append(max(len(s.spec_hidden) for s in seqs)))[0])
+    longest, stash = [], llm.engine.proposer.stash_hidden
+    monkeypatch.setattr(llm.engine.proposer, "stash_hidden", lambda seqs, num_new, hidden: (
+        stash(seqs, num_new, hidden), longest.append(max(len(s.spec_hidden) for s in seqs)))[0])
     prompts = make_prompts(3, seed=4, min_len=8, max_len=20)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 40)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
