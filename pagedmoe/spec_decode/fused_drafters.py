@@ -23,7 +23,7 @@ MAX_WEIGHT_BYTES = 16 << 20  # larger heads stream their weights (a 32k-vocabula
 enabled = True  # False: always the head's PyTorch modules (tests compare the two)
 LAYER_WEIGHTS = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
 WEIGHTS = ("embed", "input_norm", "hidden_norm", "qkv", "o", "post_norm", "gate_up", "down", "norm", "lm_head",
-           "cos", "sin")
+           "cos", "sin", "fc")
 
 
 class Weights(ctypes.Structure):
@@ -65,7 +65,7 @@ def head_tensors(head) -> dict[str, torch.Tensor]:
             "hidden_norm": head.hidden_norm.weight, "qkv": attn.qkv_proj.weight, "o": attn.o_proj.weight,
             "post_norm": head.post_attention_layernorm.weight, "gate_up": head.mlp.gate_up_proj.weight,
             "down": head.mlp.down_proj.weight, "norm": head.norm.weight, "lm_head": target.lm_head.weight,
-            "cos": attn.rotary.cos, "sin": attn.rotary.sin}
+            "cos": attn.rotary.cos, "sin": attn.rotary.sin, "fc": head.fc.weight}
 
 
 def supported_tensors(tensors: list[torch.Tensor]) -> bool:
@@ -121,9 +121,9 @@ class FusedEagleStep(FusedDrafter):
         hidden[row] (the target's fused states, or the head's own); after its last row, num_drafts[i] (default
         1) greedy draft steps. Sequence i attends its positions from firsts[i] (default 0) on. Returns the
         last step's hidden state and logits per sequence, and the drafts."""
-        if hidden.shape[-1] != self.head.hidden_size:
-            hidden = self.head.fc(hidden)
-        hidden, n = hidden.float().contiguous(), len(token_lists)
+        if hidden.shape[-1] not in (self.head.hidden_size, self.tensors["fc"].shape[1]):
+            raise ValueError(f"hidden must be the head's or the target's fused states, got {tuple(hidden.shape)}")
+        hidden, n = hidden.float().contiguous(), len(token_lists)  # fc in the kernel: ~40 us as an MKL call here
         num_drafts = num_drafts or [1] * n
         firsts = firsts or [0] * n
         rows, row_start, tokens, positions, counts, first = pack_rows(token_lists, starts, num_drafts, firsts)
@@ -131,7 +131,8 @@ class FusedEagleStep(FusedDrafter):
         drafts = torch.empty(n, max_drafts, dtype=torch.long)
         hidden_out, logits = hidden.new_empty(n, self.head.hidden_size), hidden.new_empty(n, self.vocab_size)
         status = self.fn(ctypes.byref(self.weights), ctypes.byref(self.shape(cache, tables)), ptr(cache),
-                         ctypes.c_int64(n), row_start, tokens, positions, first, ptr(hidden), ptr(tables), counts,
+                         ctypes.c_int64(n), row_start, tokens, positions, first, ptr(hidden),
+                         ctypes.c_int64(hidden.shape[-1]), ptr(tables), counts,
                          ctypes.c_int64(max_drafts), *map(ptr, (drafts, hidden_out, logits)), num_threads())
         if status:
             raise ValueError("the EAGLE-3 draft step's positions, tokens or block tables are out of range")

@@ -151,7 +151,7 @@ def test_sampled_drafts_take_the_fused_step_one_step_a_call(head_dir, monkeypatc
     llm = LLM(target_dir, dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
     fused, calls = llm.engine.runner.drafter.fused, []
     kernel = fused.fn
-    monkeypatch.setattr(fused, "fn", lambda *args: calls.append(args[11].value) or kernel(*args))  # max_drafts
+    monkeypatch.setattr(fused, "fn", lambda *args: calls.append(args[12].value) or kernel(*args))  # max_drafts
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts(2, seed=8)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_NEW] * 2

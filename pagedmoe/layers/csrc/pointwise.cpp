@@ -9,22 +9,34 @@ using tile_gemm::BF16;
 using tile_gemm::store;
 using tile_gemm::to_float;
 
-// HF's RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded to the input dtype, then times the weight.
+// HF's RMSNorm of one row: x * rsqrt(mean(x^2) + eps) in float32, rounded to the input dtype, then times the
+// weight (out may be row).
+template <typename T>
+void rms_norm_row(const T *row, const T *weight, T *out, int64_t dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; i++) sum += to_float(row[i]) * to_float(row[i]);
+    const float inverse = 1.0f / std::sqrt(sum / float(dim) + eps);
+    for (int64_t i = 0; i < dim; i++) {
+        T normed;
+        store(normed, to_float(row[i]) * inverse);
+        store(out[i], to_float(weight[i]) * to_float(normed));
+    }
+}
+
+// `heads` rows of dim a token, tokens token_stride apart (q or k heads viewed in the qkv output: a copy to
+// make them contiguous had cost more than the norm at a few rows); out is contiguous.
+template <typename T>
+void rms_norm_heads(const T *x, const T *weight, T *out, int64_t tokens, int64_t heads, int64_t token_stride,
+                    int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * dim > 32768)
+    for (int64_t r = 0; r < tokens * heads; r++)
+        rms_norm_row(x + (r / heads) * token_stride + (r % heads) * dim, weight, out + r * dim, dim, eps);
+}
+
 template <typename T>
 void rms_norm(const T *x, const T *weight, T *out, int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim > 32768)
-    for (int64_t r = 0; r < rows; r++) {
-        const T *row = x + r * dim;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) sum += to_float(row[i]) * to_float(row[i]);
-        const float inverse = 1.0f / std::sqrt(sum / float(dim) + eps);
-        for (int64_t i = 0; i < dim; i++) {
-            T normed;
-            store(normed, to_float(row[i]) * inverse);
-            store(out[r * dim + i], to_float(weight[i]) * to_float(normed));
-        }
-    }
+    rms_norm_heads(x, weight, out, rows, 1, dim, dim, eps, num_threads);
 }
 
 // x[t, h] = x * cos + rotate_half(x) * sin at position positions[t], in place; x's rows are row_stride apart
@@ -81,14 +93,14 @@ int64_t argmax_row(const float *row, int64_t n) {
 }  // namespace
 
 extern "C" void greedy_argmax_f32(const float *logits, int64_t *out, int64_t rows, int64_t n, int num_threads) {
-#pragma omp parallel for num_threads(num_threads)
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(logits + r * n, n);
 }
 
 #define EXPORT(SUFFIX, T)                                                                                       \
-    extern "C" void rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t rows, int64_t dim, float eps, \
-                                      int num_threads) {                                                        \
-        rms_norm(x, weight, out, rows, dim, eps, num_threads);                                                  \
+    extern "C" void rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t tokens, int64_t heads,       \
+                                      int64_t token_stride, int64_t dim, float eps, int num_threads) {          \
+        rms_norm_heads(x, weight, out, tokens, heads, token_stride, dim, eps, num_threads);                     \
     }                                                                                                           \
     extern "C" void rotary_##SUFFIX(T *x, const int64_t *positions, const float *cos, const float *sin,         \
                                     int64_t tokens, int64_t heads, int64_t row_stride, int64_t head_dim,        \

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "../../layers/csrc/tile_gemm.h"
 
 namespace {
@@ -23,6 +25,7 @@ namespace {
 struct Weights {  // an EAGLE-3 head's
     const float *embed, *input_norm, *hidden_norm, *qkv, *o, *post_norm, *gate_up, *down, *norm, *lm_head;
     const float *cos, *sin;  // [max_positions, head_dim]
+    const float *fc;         // [hidden, in_width]: the target's fused states -> hidden
 };
 
 struct Layer {  // a dense decoder layer's; q_norm and k_norm null where it has none
@@ -78,17 +81,33 @@ inline void dot_rows(const float *__restrict w, const float *__restrict x, int64
     }
 }
 
-// Y[r] = W X[r] for n rows of X ([n, in]) and a row-major [out, in] W, eight weight rows at a time, each group
-// read once for all n rows (the rows a drafter catches up on share every weight: one GEMV a row streamed the
-// head n times). noclone: GCC's clone of it for constant arguments had lost the vectorisation (4x slower).
-__attribute__((noclone)) void gemm_rows(const float *__restrict w, const float *__restrict x, float *__restrict y,
-                                        int64_t n, int64_t out, int64_t in) {
-    constexpr int GROUP = 8;
-    int64_t o = 0;
-    for (; o + GROUP <= out; o += GROUP)
+constexpr int GROUP = 8;
+constexpr int64_t PARALLEL_MIN = 1 << 15;  // weights of at least this many floats split over threads
+
+// Outputs [begin, end) of Y[r] = W X[r] for n rows of X ([n, in]) and a row-major [out, in] W, eight weight
+// rows at a time, each group read once for all n rows (the rows a drafter catches up on share every weight:
+// one GEMV a row streamed the head n times). noclone: GCC's clone of it for constant arguments had lost the
+// vectorisation (4x slower).
+__attribute__((noclone)) void gemm_range(const float *__restrict w, const float *__restrict x,
+                                         float *__restrict y, int64_t n, int64_t out, int64_t in, int64_t begin,
+                                         int64_t end) {
+    int64_t o = begin;
+    for (; o + GROUP <= end; o += GROUP)
         for (int64_t r = 0; r < n; r++) dot_rows<GROUP>(w + o * in, x + r * in, in, y + r * out + o);
-    for (; o < out; o++)
+    for (; o < end; o++)
         for (int64_t r = 0; r < n; r++) dot_rows<1>(w + o * in, x + r * in, in, y + r * out + o);
+}
+
+// All outputs; a large W split over `threads` (a sequence drafting alone: the head's ~2 MB of weights come
+// from L3 at one core's bandwidth, and the other core was idle).
+void gemm_rows(const float *w, const float *x, float *y, int64_t n, int64_t out, int64_t in, int threads = 1) {
+    if (threads <= 1 || out * in < PARALLEL_MIN) return gemm_range(w, x, y, n, out, in, 0, out);
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t groups = out / GROUP, t = omp_get_thread_num(), num = omp_get_num_threads();
+        const int64_t begin = groups * t / num * GROUP, end = t + 1 == num ? out : groups * (t + 1) / num * GROUP;
+        gemm_range(w, x, y, n, out, in, begin, end);
+    }
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight.
@@ -146,11 +165,13 @@ void attend(const float *q, const float *cache, const int64_t *table, int64_t fi
 
 // The activations of up to `capacity` consecutive rows of one sequence, row after row.
 struct Scratch {
-    std::vector<float> a, qkv, attn, x, normed, gate_up, scores, carry;
+    std::vector<float> a, qkv, attn, x, normed, gate_up, scores, carry, fused;
+    int threads = 1;  // for the large GEMVs (gemm_rows)
     Scratch(const Shape &s, int64_t capacity)
         : a(capacity * 2 * s.hidden), qkv(capacity * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
           attn(capacity * s.num_heads * s.head_dim), x(capacity * s.hidden), normed(capacity * s.hidden),
-          gate_up(capacity * 2 * s.intermediate), scores(s.max_positions), carry(s.hidden) {}
+          gate_up(capacity * 2 * s.intermediate), scores(s.max_positions), carry(s.hidden),
+          fused(capacity * s.hidden) {}
 };
 
 // n rows at consecutive positions from `position`: q, k, v = W_qkv a (in_dim wide) for all of them, per-head
@@ -161,7 +182,7 @@ void attention(const Layer &l, const float *cos_table, const float *sin_table, c
                Scratch &m) {
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     const int64_t width = q_size + 2 * kv_size, head_stride = s.num_blocks * s.block_size * s.head_dim;
-    gemm_rows(l.qkv, a, m.qkv.data(), n, width, in_dim);
+    gemm_rows(l.qkv, a, m.qkv.data(), n, width, in_dim, m.threads);
     for (int64_t r = 0, p = position; r < n; r++, p++) {
         float *q = m.qkv.data() + r * width, *k = q + q_size;
         for (int64_t head = 0; l.q_norm && head < s.num_heads + s.num_kv_heads; head++) {  // in place
@@ -177,19 +198,19 @@ void attention(const Layer &l, const float *cos_table, const float *sin_table, c
     for (int64_t r = 0; r < n; r++)
         attend(m.qkv.data() + r * width, cache, table, first, position + r + 1, s, m.scores.data(),
                m.attn.data() + r * q_size);
-    gemm_rows(l.o, m.attn.data(), m.normed.data(), n, s.hidden, q_size);
+    gemm_rows(l.o, m.attn.data(), m.normed.data(), n, s.hidden, q_size, m.threads);
 }
 
 // x += W_down (silu(gate) * up) for n rows, in place.
 void mlp(const Layer &l, const Shape &s, int64_t n, Scratch &m) {
     const int64_t h = s.hidden, inter = s.intermediate;
     for (int64_t r = 0; r < n; r++) rms_norm(m.x.data() + r * h, l.post_norm, m.normed.data() + r * h, h, s.eps);
-    gemm_rows(l.gate_up, m.normed.data(), m.gate_up.data(), n, 2 * inter, h);
+    gemm_rows(l.gate_up, m.normed.data(), m.gate_up.data(), n, 2 * inter, h, m.threads);
     for (int64_t r = 0; r < n; r++) {
         float *gate = m.gate_up.data() + r * 2 * inter, *act = m.gate_up.data() + r * inter;  // act[i] <- gate[i]
         for (int64_t i = 0; i < inter; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[inter + i];
     }
-    gemm_rows(l.down, m.gate_up.data(), m.normed.data(), n, h, inter);
+    gemm_rows(l.down, m.gate_up.data(), m.normed.data(), n, h, inter, m.threads);
     for (int64_t i = 0; i < n * h; i++) m.x[i] += m.normed[i];
 }
 
@@ -245,7 +266,7 @@ bool rows_fit(const Shape &s, const int64_t *row_start, const int64_t *positions
 void head_logits(const float *norm, const float *lm_head, const Shape &s, const float *x, Scratch &m,
                  float *logits) {
     rms_norm(x, norm, m.normed.data(), s.hidden, s.eps);
-    gemm_rows(lm_head, m.normed.data(), logits, 1, s.vocab, s.hidden);
+    gemm_rows(lm_head, m.normed.data(), logits, 1, s.vocab, s.hidden, m.threads);
 }
 
 int64_t argmax(const float *x, int64_t n) {  // the first maximum, as torch.argmax
@@ -276,17 +297,31 @@ const float *draft_seq(const float *norm, const float *lm_head, const Shape &s, 
     return last;
 }
 
-// Runs fn(seq, scratch) for every sequence whose rows fit (1 if one does not), a sequence per thread.
+// Whether sequence seq's drafts can run: its draft count and rows fit.
+bool seq_fits(const Shape &s, int64_t seq, const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
+              const int64_t *firsts, const int64_t *table, const int64_t *num_drafts, int64_t max_drafts) {
+    return num_drafts[seq] >= 1 && num_drafts[seq] <= max_drafts &&
+           rows_fit(s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1, firsts[seq]);
+}
+
+// Runs fn(seq, table, scratch) for every sequence whose rows fit (1 if one does not), a sequence per thread;
+// a sequence alone splits its large GEMVs over the threads instead.
 template <typename Fn>
 int each_seq(const Shape &s, int64_t num_seqs, const int64_t *row_start, const int64_t *tokens,
              const int64_t *positions, const int64_t *firsts, const int64_t *block_tables,
              const int64_t *num_drafts, int64_t max_drafts, int num_threads, Fn fn) {
+    if (num_seqs == 1) {
+        if (!seq_fits(s, 0, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts)) return 1;
+        Scratch m(s, row_start[1] - row_start[0]);
+        m.threads = num_threads;
+        fn(0, block_tables, m);
+        return 0;
+    }
     int status = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(max : status)
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t *table = block_tables + seq * s.max_blocks;
-        if (num_drafts[seq] < 1 || num_drafts[seq] > max_drafts ||
-            !rows_fit(s, row_start, positions, tokens, table, seq, num_drafts[seq] - 1, firsts[seq])) {
+        if (!seq_fits(s, seq, row_start, tokens, positions, firsts, table, num_drafts, max_drafts)) {
             status = 1;
             continue;
         }
@@ -300,18 +335,23 @@ int each_seq(const Shape &s, int64_t num_seqs, const int64_t *row_start, const i
 
 // num_drafts[seq] >= 1 steps for each sequence, attending its positions from firsts[seq] on (the head's KV
 // before it is not kept): its greedy drafts in drafts[seq * max_drafts + j], the last step's hidden state and
-// logits in hidden_out[seq] and logits[seq]. Returns 0, or 1 (having written nothing for that sequence) where
-// a sequence's positions do not fit.
+// logits in hidden_out[seq] and logits[seq]. hidden: [rows, in_width], the head's own states (in_width ==
+// hidden) or the target's fused ones, which fc maps first. Returns 0, or 1 (having written nothing for that
+// sequence) where a sequence's positions do not fit.
 extern "C" int eagle3_draft_f32(const Weights *w, const Shape *s, float *cache, int64_t num_seqs,
                                 const int64_t *row_start, const int64_t *tokens, const int64_t *positions,
-                                const int64_t *firsts, const float *hidden, const int64_t *block_tables,
-                                const int64_t *num_drafts, int64_t max_drafts, int64_t *drafts, float *hidden_out,
-                                float *logits, int num_threads) {
+                                const int64_t *firsts, const float *hidden, int64_t in_width,
+                                const int64_t *block_tables, const int64_t *num_drafts, int64_t max_drafts,
+                                int64_t *drafts, float *hidden_out, float *logits, int num_threads) {
     return each_seq(*s, num_seqs, row_start, tokens, positions, firsts, block_tables, num_drafts, max_drafts,
                     num_threads, [&](int64_t seq, const int64_t *table, Scratch &m) {
         const auto rows = [&](const int64_t *row_tokens, int64_t position, int64_t n, int64_t first_row) {
             // a chained step's hidden state is the head's own last output
-            const float *in = first_row < 0 ? m.carry.data() : hidden + first_row * s->hidden;
+            const float *in = first_row < 0 ? m.carry.data() : hidden + first_row * in_width;
+            if (first_row >= 0 && in_width != s->hidden) {
+                gemm_rows(w->fc, in, m.fused.data(), n, s->hidden, in_width, m.threads);
+                in = m.fused.data();
+            }
             eagle_rows(*w, *s, cache, table, firsts[seq], row_tokens, position, in, n, m);
         };
         const float *last = draft_seq(w->norm, w->lm_head, *s, tokens, positions, row_start[seq], row_start[seq + 1],
