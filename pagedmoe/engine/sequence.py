@@ -112,8 +112,9 @@ class Sequence:
 
     def keep_hidden(self, num_rows: int):
         """The first num_rows stashed hidden states (the rest were at rejected positions)."""
-        if sum(chunk.shape[0] for chunk in self.spec_hidden) > num_rows:
-            self.spec_hidden = [torch.cat(self.spec_hidden)[:num_rows]]
+        chunks = self.spec_hidden
+        if sum(chunk.shape[0] for chunk in chunks) > num_rows:
+            self.spec_hidden = [(chunks[0] if len(chunks) == 1 else torch.cat(chunks))[:num_rows]]
 
     def drop_drafts(self):
         """The pending drafts are dropped (preemption): the draft model's KV past the last token is stale."""

@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 from pagedmoe.layers.attention.cpu_kernel import check_tables
@@ -51,6 +52,8 @@ def decode_inputs(positions: torch.Tensor, tables: torch.Tensor, block_size: int
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Padded with block 0, to which freed window entries (-1) point too: masked, never read."""
+    """Padded with block 0, to which freed window entries (-1) point too: masked, never read. Through numpy:
+    torch.tensor of the nested lists and clamp_ took twice as long (~160 us at 64 sequences)."""
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp_(min=0)
+    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    return torch.from_numpy(np.maximum(padded, 0, out=padded))
