@@ -21,6 +21,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 CATCH_UP_ROWS, MIN_CATCH_UP = 256, 4  # a drafter far behind catches up over its last positions only: this many
 #  rows for a proposal in all, at least MIN_CATCH_UP a sequence (16 had made a probe of speculation at batch 64 cost
 #  11 ms of catch-up before its verify step)
+KEPT_ROWS = 16  # what a sequence that stopped drafting keeps of its stash (MTPProposer.stash_hidden)
 
 
 def can_speculate(seq) -> bool:
@@ -35,6 +36,12 @@ def skip_positions(seq, skip: int):
     if seq.spec_hidden:
         seq.spec_hidden = drop_rows(seq.spec_hidden, skip)
     seq.num_drafter_tokens = seq.drafter_start = seq.num_drafter_tokens + skip
+
+
+def skip_behind(seq, limit: int):
+    """The drafter skips all but the last `limit` positions it has not caught up on, and attends from there."""
+    if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
+        skip_positions(seq, skip)
 
 
 def drop_rows(chunks: list[torch.Tensor], num_rows: int) -> list[torch.Tensor]:

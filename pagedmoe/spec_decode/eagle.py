@@ -13,15 +13,14 @@ from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.llama import MLP, STACKED_PARAMS, Attention, _copy_param, head_dim_of
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
-from pagedmoe.spec_decode.draft_model import CATCH_UP_ROWS, MIN_CATCH_UP, DraftInputs, can_speculate, skip_positions
+from pagedmoe.spec_decode.draft_model import CATCH_UP_ROWS, MIN_CATCH_UP, DraftInputs, skip_behind
 from pagedmoe.spec_decode.fused_drafters import MAX_ROWS, FusedEagleStep
 from pagedmoe.spec_decode.mtp import MTPProposer
 from pagedmoe.worker.inputs import pad_block_tables
 from pagedmoe.worker.model_loader import finish_model, load_weights, num_weight_elements
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-MAX_STASHED_STEPS, KEPT_ROWS = 64, 16  # a sequence that drafted in none of its last this many steps keeps
-#                                        KEPT_ROWS rows
+MAX_STASHED_STEPS = 64  # a sequence that drafted in none of its last this many steps keeps KEPT_ROWS rows
 
 
 def vllm_aux_layers(num_layers: int) -> list[int]:
@@ -93,12 +92,6 @@ def load_eagle3(config, spec, target: nn.Module) -> Eagle3Head:
     return head.to(dtype=config.torch_dtype).eval()
 
 
-def skip_behind(seq, limit: int):
-    """The head skips all but the last `limit` positions it has not caught up on, and attends from there."""
-    if (skip := seq.num_computed_tokens - seq.num_drafter_tokens - limit) > 0:
-        skip_positions(seq, skip)
-
-
 class Eagle3Proposer(MTPProposer):
     def __init__(self, config, spec, target: nn.Module):
         self.spec, self.config = spec, config
@@ -131,16 +124,11 @@ class Eagle3Proposer(MTPProposer):
         for seq in seqs:
             skip_behind(seq, limit)
 
-    def stash_hidden(self, seqs: list, num_new_tokens: list[int], hidden: torch.Tensor):
-        """As MTP's, bounded: while speculation is off (at batch 64) a sequence's stash grew by a view a step
-        until it finished, which cost ~6% of each step's time. A sequence that has not drafted for
-        MAX_STASHED_STEPS steps keeps the rows a catch-up would read at large batches."""
-        can_skip = self._can_fuse()
-        for seq, rows in zip(seqs, hidden.split(num_new_tokens)):
-            if can_speculate(seq):
-                seq.spec_hidden.append(rows)
-                if can_skip and len(seq.spec_hidden) > MAX_STASHED_STEPS:
-                    skip_behind(seq, KEPT_ROWS)
+    def max_stashed_steps(self) -> int | None:
+        """While speculation is off (at batch 64) a sequence's stash grew by a view a step until it finished,
+        which cost ~6% of each step's time: one that has not drafted for MAX_STASHED_STEPS steps keeps the
+        KEPT_ROWS rows a catch-up would read at large batches (only the kernel attends past skipped positions)."""
+        return MAX_STASHED_STEPS if self._can_fuse() else None
 
     def step_ks(self, seqs, ks: list[int]) -> list[int]:
         return ks  # its steps attend from each sequence's first position (_step)

@@ -10,10 +10,10 @@ import itertools
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pagedmoe.layers import cpu_build
+from pagedmoe.layers.attention.metadata import long_tensor
 from pagedmoe.layers.cpu_build import num_threads, ptr
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,8 @@ def pack_rows(token_lists: list[list[int]], starts: list[int], num_drafts: list[
     """The kernels' per-row and per-sequence int64 arrays in one tensor: (the tensor, its row starts, tokens,
     positions, draft counts and first attended positions as pointers)."""
     n, lens = len(token_lists), [len(tokens) for tokens in token_lists]
-    rows = torch.from_numpy(np.array([0, *itertools.accumulate(lens), *(t for ts in token_lists for t in ts),
-                                      *(s + j for s, num in zip(starts, lens) for j in range(num)), *num_drafts,
-                                      *firsts], dtype=np.int64))  # torch.tensor of a list is ~3x slower
+    rows = long_tensor([0, *itertools.accumulate(lens), *(t for ts in token_lists for t in ts),
+                        *(s + j for s, num in zip(starts, lens) for j in range(num)), *num_drafts, *firsts])
     num_rows = sum(lens)
     offsets = (0, n + 1, n + 1 + num_rows, n + 1 + 2 * num_rows, 2 * n + 1 + 2 * num_rows)
     return rows, *(ctypes.c_void_p(rows.data_ptr() + 8 * o) for o in offsets)

@@ -16,7 +16,8 @@ from pagedmoe.layers.linear import Linear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM
 from pagedmoe.models.llama import _copy_param
-from pagedmoe.spec_decode.draft_model import DraftInputs, DraftModelProposer, can_speculate
+from pagedmoe.spec_decode.draft_model import (KEPT_ROWS, DraftInputs, DraftModelProposer, can_speculate,
+                                              skip_behind)
 from pagedmoe.worker.model_loader import finish_model, num_weight_elements, weight_files
 
 OWN_WEIGHTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "norm",
@@ -119,10 +120,18 @@ class MTPProposer(DraftModelProposer):
 
     def stash_hidden(self, seqs: list, num_new_tokens: list[int], hidden: torch.Tensor):
         """Each sequence's rows of the step's hidden states (the runner's tensor, kept: a view a sequence, no
-        copy), until a proposal reads them; none for sequences that never draft."""
+        copy), until a proposal reads them; none for sequences that never draft. Past max_stashed_steps
+        chunks, a sequence keeps its last KEPT_ROWS rows."""
+        bound = self.max_stashed_steps()
         for seq, rows in zip(seqs, hidden.split(num_new_tokens)):
             if can_speculate(seq):
                 seq.spec_hidden.append(rows)
+                if bound is not None and len(seq.spec_hidden) > bound:
+                    skip_behind(seq, KEPT_ROWS)
+
+    def max_stashed_steps(self) -> int | None:
+        """None: every row stays until a proposal reads it (the MTP layer attends from position 0)."""
+        return None
 
     def advance(self, seq, step: int):
         if step == 0:

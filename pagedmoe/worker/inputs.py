@@ -1,9 +1,8 @@
-import numpy as np
 import torch
 
 from pagedmoe.layers.attention.cpu_kernel import check_tables
 from pagedmoe.layers.attention.metadata import (AttentionMetadata, Workspace, build_attention_metadata,
-                                                kernel_decode_group)
+                                                kernel_decode_group, long_tensor)
 
 
 def prepare_inputs(token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]],
@@ -52,8 +51,6 @@ def decode_inputs(positions: torch.Tensor, tables: torch.Tensor, block_size: int
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Padded with block 0, to which freed window entries (-1) point too: masked, never read. Through numpy:
-    torch.tensor of the nested lists and clamp_ took twice as long (~160 us at 64 sequences)."""
+    """Padded with block 0, to which freed window entries (-1) point too: masked, never read."""
     width = max(len(t) for t in tables)
-    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
-    return torch.from_numpy(np.maximum(padded, 0, out=padded))
+    return long_tensor([t + [0] * (width - len(t)) for t in tables]).clamp_(min=0)
