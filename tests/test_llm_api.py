@@ -90,9 +90,13 @@ def test_16_bit_decode_logprobs_track_float32_reference(tmp_path, dtype, kernel)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, cpu_attention_kernel=kernel)
     assert (llm.engine.runner.decode_kernel is not None) == (dtype == "bfloat16" and kernel)
+    errors = []
     for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), dim=-1)
-        for i, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-            assert abs(entry[token].logprob - ref[len(prompt) - 1 + i, token].item()) < 0.1
+        errors += [abs(entry[token].logprob - ref[len(prompt) - 1 + i, token].item())
+                   for i, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs))]
+    # bf16 keeps ~3 significant digits: single tokens of this random model drift by up to ~0.1 (0.106 through
+    # the kernel on an AVX2 EPYC, 0.071 through PyTorch), the mean by ~0.02; a broken path drifts by whole units
+    assert max(errors) < 0.15 and sum(errors) / len(errors) < 0.04
