@@ -100,10 +100,11 @@ void weighted_values(const float *probs, const T *v_head, const int64_t *table, 
 }
 
 // The fast path, for head sizes of whole vectors: q (scores) or the output (values) of up to HEADS query
-// heads sit in registers while each K or V row is loaded once for all of them. AVX2 holds twice what its 16
-// registers take (4 heads of 64): the compiler keeps the rest in L1, which costs less than loading every K and
-// V row once per query head (1.25x at 8-64 sequences of 3 heads per KV head on an AVX2 EPYC, bit-identical).
-constexpr int REGISTER_BUDGET = VLEN == 16 ? 16 : 32;
+// heads, PASS_VECTORS vectors in all, are held while each K or V row is loaded once for all of them. On
+// AVX-512 they fit its registers; AVX2 takes twice its 16 registers (4 heads of 64) and the compiler keeps the
+// rest in L1, which costs less than loading every K and V row once per query head (1.33-1.39x at 8-64
+// sequences of 3 heads per KV head on an AVX2 EPYC, bit-identical).
+constexpr int PASS_VECTORS = VLEN == 16 ? 16 : 32;
 constexpr int FOLD_LEVELS = VLEN == 16 ? 4 : 3;
 typedef int32_t ivec __attribute__((vector_size(VLEN * 4)));
 
@@ -178,7 +179,7 @@ void values_pass(const float *probs, int64_t stride, const T *v_head, const int6
 }
 
 // One (sequence, KV head) on the fast path, its query heads in passes of up to HEADS.
-template <int N, int HEADS = std::max(1, REGISTER_BUDGET / N), typename T>
+template <int N, int HEADS = std::max(1, PASS_VECTORS / N), typename T>
 void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_t *table, int64_t first,
                  int64_t len, const Shape &s, const float *sinks, float *scores, float *acc) {
     const int64_t stride = (len - first + VLEN - 1) / VLEN * VLEN, dim = N * VLEN;
