@@ -21,13 +21,27 @@ def test_matches_f_linear(target, dtype):
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     kernel = CpuLinear(weight, library, max_rows=64)
-    for rows in (1, 5, 12, 25, 64):
+    for rows in (1, 2, 3, 5, 12, 25, 64):
         x = torch.randn(rows, 80, generator=g).to(dtype)
         for b in (None, bias):
             out = kernel(x, b)
             assert out.dtype == dtype and out.shape == (rows, 96)
             expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
             torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype], check_dtype=False)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("target", x86_targets())
+def test_a_row_does_not_depend_on_its_batch(target, gated):
+    """Every column sums its k-steps in order whatever tile a row lands in (a full block, a remainder, or 1-3 rows
+    over several panels at once), so a row's float32 output is bit-identical alone and in any batch."""
+    library = cpu_linear.load_library(march=target)
+    g = torch.Generator().manual_seed(2)
+    kernel = CpuLinear(torch.randn(112, 80, generator=g), library, max_rows=64, gated=gated)
+    x = torch.randn(40, 80, generator=g)
+    batched = kernel(x)
+    for rows in (1, 2, 3, 7, 13):
+        assert torch.equal(kernel(x[:rows]), batched[:rows])
 
 
 @pytest.mark.skipif(not (cpu_linear.load_library().linear_amx() and "amx_bf16" in cpu_info.cpu_flags()),

@@ -19,31 +19,40 @@ struct Shape {
 // block's float32 tile [n][PANEL]. AMX (bf16 only): 16-row blocks on the tile unit, else the vector tiles.
 // Prefill-sized x runs in chunks of CHUNK_ROWS rows (every panel over one chunk, then the next), so a chunk
 // stays in L2 while the weight streams past it: 1.1-1.3x at 1024-2048 rows against whole-x passes per panel.
+// The threads share (chunk, group of panels) tasks; a last block of 1-3 rows takes the group's 2-4 panels in
+// one tile (tile_panels), after their full blocks.
 constexpr int64_t CHUNK_ROWS = 256;
 template <bool AMX, typename T, typename Epilogue>
 void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, int num_threads, Epilogue epilogue) {
     constexpr bool ON_TILES = AMX && HAS_AMX && std::is_same_v<T, BF16>;
     constexpr int BLOCK = ON_TILES ? AMX_ROWS : MAX_ROWS;
-    const int64_t K = s.in_features;
+    const int64_t K = s.in_features, num_chunks = (s.rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    // panel groups where x is one block of 1-3 rows (more streams from memory); for more rows, fewer tasks
+    // would unbalance the threads by more than the remainder's pass costs
+    const int group = ON_TILES || s.rows > BLOCK ? 1 : panels_per_tile<T, T>(int(s.rows));
+    const int64_t num_groups = (num_panels + group - 1) / group;
 #pragma omp parallel num_threads(num_threads)
     {
         Amx amx;
         const T *rows[MAX_ROWS];
-        alignas(64) float acc[std::max(AMX_ROWS, MAX_ROWS) * PANEL];
-        const int64_t num_chunks = (s.rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        alignas(64) float acc[std::max(AMX_ROWS, 4 * MAX_ROWS) * PANEL];
+        auto run = [&](int64_t j, int panels, int64_t r, int n) {  // rows [r, r + n) times panels j, j + 1, ...
+            if constexpr (ON_TILES) return amx.tile(n, x + r * K, w + j * K * PANEL, K, acc, r % CHUNK_ROWS == 0);
+            for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
+            tile_panels(n, panels, rows, w + j * K * PANEL, K, acc);
+        };
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_chunks * num_panels; i++) {
-            const int64_t j = i % num_panels, end = std::min(s.rows, (i / num_panels + 1) * CHUNK_ROWS);
-            for (int64_t r = i / num_panels * CHUNK_ROWS; r < end; r += BLOCK) {
-                const int n = int(std::min<int64_t>(BLOCK, s.rows - r));
-                if constexpr (ON_TILES) {
-                    amx.tile(n, x + r * K, w + j * K * PANEL, K, acc, r % CHUNK_ROWS == 0);
-                } else {
-                    for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
-                    tile(n, rows, w + j * K * PANEL, K, acc);
+        for (int64_t i = 0; i < num_chunks * num_groups; i++) {
+            const int64_t j = i % num_groups * group, first = i / num_groups * CHUNK_ROWS;
+            const int64_t end = std::min(s.rows, first + CHUNK_ROWS), last = first + (end - first - 1) / BLOCK * BLOCK;
+            const int panels = int(std::min<int64_t>(group, num_panels - j));
+            for (int p = 0; p < panels; p++)
+                for (int64_t r = first; r < last; r += BLOCK) {
+                    run(j + p, 1, r, BLOCK);
+                    epilogue(j + p, r, BLOCK, acc);
                 }
-                epilogue(j, r, n, acc);
-            }
+            run(j, panels, last, int(end - last));
+            for (int p = 0; p < panels; p++) epilogue(j + p, last, int(end - last), acc + p * (end - last) * PANEL);
         }
     }
 }

@@ -98,20 +98,28 @@ inline void store_gated(T *out, const float *acc_row) {
     store_activation(out, acc_row, [](float gate, float up) { return silu(gate) * up; });
 }
 
-template <int M, typename A, typename W>
+// The same for P adjacent panels at once (acc[P][M][PANEL]; panel p at b + p * K * PANEL): a tile of 1-3 rows
+// has too few accumulator chains to hide the FMA latency (one row: a k-step per 4 cycles where 6 rows take
+// 6), so its remainder rows take 2-4 panels per pass. Each column still sums its k-steps in order: the
+// outputs are bit-identical to P one-panel passes.
+template <int M, int P, typename A, typename W>
 void panel_tile(const A *const *a, const W *b, int64_t K, float *acc) {
-    fvec c[M][NV] = {};
+    fvec c[P][M][NV] = {};
     for (int64_t k = 0; k < K; k++) {
-        prefetch_ahead(b + k * PANEL, int(PANEL * sizeof(W)));
-        fvec bv[NV];
-        for (int v = 0; v < NV; v++) bv[v] = load(b + k * PANEL + v * VLEN);
-        for (int m = 0; m < M; m++) {
-            const float av = to_float(a[m][k]);
-            for (int v = 0; v < NV; v++) c[m][v] += av * bv[v];
+        for (int p = 0; p < P; p++) {
+            const W *bk = b + (p * K + k) * PANEL;
+            prefetch_ahead(bk, int(PANEL * sizeof(W)));
+            fvec bv[NV];
+            for (int v = 0; v < NV; v++) bv[v] = load(bk + v * VLEN);
+            for (int m = 0; m < M; m++) {
+                const float av = to_float(a[m][k]);
+                for (int v = 0; v < NV; v++) c[p][m][v] += av * bv[v];
+            }
         }
     }
-    for (int m = 0; m < M; m++)
-        for (int v = 0; v < NV; v++) std::memcpy(acc + m * PANEL + v * VLEN, &c[m][v], sizeof(fvec));
+    for (int p = 0; p < P; p++)
+        for (int m = 0; m < M; m++)
+            for (int v = 0; v < NV; v++) std::memcpy(acc + (p * M + m) * PANEL + v * VLEN, &c[p][m][v], sizeof(fvec));
 }
 
 #if defined(__AVX512BF16__)
@@ -149,12 +157,38 @@ void tile_of(int rows, const A *const *a, const W *b, int64_t K, float *acc,
     if constexpr (PAIRS && std::is_same_v<A, BF16> && std::is_same_v<W, BF16>)
         ((rows == Ms + 1 ? panel_tile_pairs<Ms + 1>(a, b, K, acc) : void()), ...);
     else
-        ((rows == Ms + 1 ? panel_tile<Ms + 1>(a, b, K, acc) : void()), ...);
+        ((rows == Ms + 1 ? panel_tile<Ms + 1, 1>(a, b, K, acc) : void()), ...);
 }
 
 template <typename A, typename W>
 void tile(int rows, const A *const *a, const W *b, int64_t K, float *acc) {
     tile_of(rows, a, b, K, acc, std::make_integer_sequence<int, MAX_ROWS>{});
+}
+
+// How many adjacent panels a tile of rows takes at once: enough for 8 accumulator chains (2 FMA units of
+// latency 4), up to 4 panels; 1 where the pair kernel runs (its accumulators already take 2 k-steps).
+template <typename A, typename W>
+constexpr int panels_per_tile(int rows) {
+    if (PAIRS && std::is_same_v<A, BF16> && std::is_same_v<W, BF16>) return 1;
+    return rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+}
+
+// acc[p][rows][PANEL] = rows a times each of panels b .. b + (panels - 1) * K * PANEL (panels at most
+// panels_per_tile(rows)).
+template <typename A, typename W>
+void tile_panels(int rows, int panels, const A *const *a, const W *b, int64_t K, float *acc) {
+    if (panels == 1) return tile(rows, a, b, K, acc);
+    if constexpr (panels_per_tile<A, W>(1) > 1) {
+        const int key = rows * 8 + panels;
+        switch (key) {
+            case 1 * 8 + 2: return panel_tile<1, 2>(a, b, K, acc);
+            case 1 * 8 + 3: return panel_tile<1, 3>(a, b, K, acc);
+            case 1 * 8 + 4: return panel_tile<1, 4>(a, b, K, acc);
+            case 2 * 8 + 2: return panel_tile<2, 2>(a, b, K, acc);
+            case 3 * 8 + 2: return panel_tile<3, 2>(a, b, K, acc);
+        }
+    }
+    for (int p = 0; p < panels; p++) tile(rows, a, b + p * K * PANEL, K, acc + p * rows * PANEL);
 }
 
 }  // namespace tile_gemm

@@ -70,7 +70,8 @@ std::vector<Task> tasks_of(const Buckets &b, int64_t num_panels, int64_t panel_b
 
 // Calls fn(e, j, n, r, acc) for every panel j of every active expert's weights w ([experts, num_panels, K, PANEL])
 // and each block of up to MAX_ROWS of that expert's pairs (pairs[r:r + n]); row m of the block is x's row
-// pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks.
+// pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks. An expert's last block of 1-3
+// rows runs over a few adjacent panels at once (tile_panels), after their full blocks, while they are in L2.
 template <typename A, typename W, typename Fn>
 void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int64_t pairs_per_row, int64_t K,
                           const W *w, int num_threads, Fn fn) {
@@ -78,15 +79,27 @@ void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int6
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (size_t i = 0; i < tasks.size(); i++) {
         const Task &t = tasks[i];
+        const int64_t first = b.start[t.expert], count = b.start[t.expert + 1] - first;
+        const int64_t last = first + (count - 1) / MAX_ROWS * MAX_ROWS;  // the last block's first pair
+        const int last_rows = int(first + count - last), group = panels_per_tile<A, W>(last_rows);
         const A *rows[MAX_ROWS];
         float acc[MAX_ROWS * PANEL];
-        for (int64_t j = t.first_panel; j < t.end_panel; j++)
-            for (int64_t r = b.start[t.expert]; r < b.start[t.expert + 1]; r += MAX_ROWS) {
-                const int n = int(std::min<int64_t>(MAX_ROWS, b.start[t.expert + 1] - r));
-                for (int m = 0; m < n; m++) rows[m] = x + (b.pairs[r + m] / pairs_per_row) * K;
-                tile(n, rows, w + (t.expert * num_panels + j) * K * PANEL, K, acc);
-                fn(t.expert, j, n, r, acc);
-            }
+        auto rows_of = [&](int64_t r, int n) {
+            for (int m = 0; m < n; m++) rows[m] = x + (b.pairs[r + m] / pairs_per_row) * K;
+        };
+        for (int64_t j = t.first_panel; j < t.end_panel; j += group) {
+            const int panels = int(std::min<int64_t>(group, t.end_panel - j));
+            const W *panel = w + (t.expert * num_panels + j) * K * PANEL;
+            for (int p = 0; p < panels; p++)
+                for (int64_t r = first; r < last; r += MAX_ROWS) {
+                    rows_of(r, MAX_ROWS);
+                    tile(MAX_ROWS, rows, panel + p * K * PANEL, K, acc);
+                    fn(t.expert, j + p, MAX_ROWS, r, acc);
+                }
+            rows_of(last, last_rows);
+            tile_panels(last_rows, panels, rows, panel, K, acc);
+            for (int p = 0; p < panels; p++) fn(t.expert, j + p, last_rows, last, acc + p * last_rows * PANEL);
+        }
     }
 }
 
