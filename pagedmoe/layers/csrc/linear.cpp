@@ -35,7 +35,7 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
     {
         Amx amx;
         const T *rows[MAX_ROWS];
-        alignas(64) float acc[std::max(AMX_ROWS, 4 * MAX_ROWS) * PANEL];
+        alignas(64) float acc[std::max(AMX_ROWS, MAX_ROWS) * PANEL];
         auto run = [&](int64_t j, int panels, int64_t r, int n) {  // rows [r, r + n) times panels j, j + 1, ...
             if constexpr (ON_TILES) return amx.tile(n, x + r * K, w + j * K * PANEL, K, acc, r % CHUNK_ROWS == 0);
             for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;

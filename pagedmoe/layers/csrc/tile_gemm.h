@@ -167,6 +167,7 @@ void tile(int rows, const A *const *a, const W *b, int64_t K, float *acc) {
 
 // How many adjacent panels a tile of rows takes at once: enough for 8 accumulator chains (2 FMA units of
 // latency 4), up to 4 panels; 1 where the pair kernel runs (its accumulators already take 2 k-steps).
+// panels * rows stays <= 6 <= MAX_ROWS, so a one-block acc holds every panel's tile.
 template <typename A, typename W>
 constexpr int panels_per_tile(int rows) {
     if (PAIRS && std::is_same_v<A, BF16> && std::is_same_v<W, BF16>) return 1;
