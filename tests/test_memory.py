@@ -37,8 +37,11 @@ def page_faults_of_a_fresh_64mb_tensor() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_freed_memory_is_reused_without_page_faults():
     assert keep_freed_memory()
-    first = page_faults_of_a_fresh_64mb_tensor()
-    assert page_faults_of_a_fresh_64mb_tensor() < max(first, 16384) // 10
+    page_faults_of_a_fresh_64mb_tensor()
+    # Unmapped on free, every 64 MB tensor would fault all of its pages in again. Kept, most reuse the freed
+    # block; a small allocation can take its front now and then, and the next few land past it
+    faults = [page_faults_of_a_fresh_64mb_tensor() for _ in range(12)]
+    assert sum(count < 1638 for count in faults) >= 6, faults
 
 
 def test_the_startup_heap_is_collected_then_frozen():
