@@ -8,6 +8,7 @@ import atexit
 import ctypes
 import gc
 import math
+import mmap
 import sys
 
 import torch
@@ -28,17 +29,35 @@ def _madvise_hugepage(address: int, length: int) -> bool:
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.empty, on huge pages where the platform allows (Linux CPU tensors of a huge page or more)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+    if not _can_be_huge(shape, dtype, device):
         return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    _madvise_hugepage(raw.data_ptr() + offset, nbytes)
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    return _huge_view(torch.empty(_nbytes(shape, dtype) + HUGE_PAGE, dtype=torch.uint8), shape, dtype)
 
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    return empty_huge(shape, dtype, device).zero_()
+    """torch.zeros, on huge pages where the platform allows. A large CPU one is a fresh anonymous mapping, which
+    the kernel zeroes page by page on first touch: a KV cache of many GB costs nothing at start-up (zero_()
+    over it took most of an engine's start) and only the blocks in use ever become resident."""
+    if not _can_be_huge(shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, _nbytes(shape, dtype) + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    return _huge_view(torch.frombuffer(mapping, dtype=torch.uint8), shape, dtype)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _can_be_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> bool:
+    is_cpu = torch.device(device).type == "cpu"
+    return is_cpu and sys.platform.startswith("linux") and _nbytes(shape, dtype) >= HUGE_PAGE
+
+
+def _huge_view(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The huge-page-aligned [shape] view of raw, a byte buffer a huge page longer, marked for huge pages."""
+    nbytes, offset = _nbytes(shape, dtype), -raw.data_ptr() % HUGE_PAGE
+    _madvise_hugepage(raw.data_ptr() + offset, nbytes)
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def keep_freed_memory(threshold: int = KEEP_FREED_BYTES) -> bool:

@@ -27,6 +27,21 @@ def test_large_tensors_are_huge_page_aligned_and_usable(dtype):
     assert t.sum().item() == 5
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and anonymous mappings")
+def test_large_zeros_become_resident_only_where_touched():
+    before = resident_bytes()
+    t = zeros_huge((64, 1 << 20), torch.float32)  # 256 MiB
+    assert resident_bytes() - before < 16 << 20
+    t[5].fill_(1.0)
+    assert resident_bytes() - before < 32 << 20
+    assert t[4:7].sum().item() == 1 << 20 and t[60].abs().sum().item() == 0
+
+
 def page_faults_of_a_fresh_64mb_tensor() -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.ones(16 << 20)

@@ -23,8 +23,10 @@ class KVCacheStorage:
         shape = (num_layers, num_kv_tensors, num_blocks, block_size, *token_shape)
         self.device_cache = zeros_huge(shape, dtype, device)
         host_shape = (num_layers, num_kv_tensors, num_host_blocks, block_size, *token_shape)
-        pin = torch.device(device).type == "cuda"
-        self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        if torch.device(device).type == "cuda":
+            self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=True)
+        else:
+            self.host_cache = zeros_huge(host_shape, dtype)
         self.disk_dir = tempfile.mkdtemp(prefix="kv-", dir=disk_dir) if disk_dir is not None else None
 
     def apply(self, transfers: BlockTransfers):
