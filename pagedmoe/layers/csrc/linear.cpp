@@ -39,7 +39,7 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
         auto run = [&](int64_t j, int panels, int64_t r, int n) {  // rows [r, r + n) times panels j, j + 1, ...
             if constexpr (ON_TILES) return amx.tile(n, x + r * K, w + j * K * PANEL, K, acc, r % CHUNK_ROWS == 0);
             for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
-            tile_panels(n, panels, rows, w + j * K * PANEL, K, acc);
+            tile_panels(n, panels, rows, w + j * K * PANEL, K, acc, r % CHUNK_ROWS != 0);
         };
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_chunks * num_groups; i++) {

@@ -102,13 +102,15 @@ inline void store_gated(T *out, const float *acc_row) {
 // has too few accumulator chains to hide the FMA latency (one row: a k-step per 4 cycles where 6 rows take
 // 6), so its remainder rows take 2-4 panels per pass. Each column still sums its k-steps in order: the
 // outputs are bit-identical to P one-panel passes.
+// warm: the panels are in L2 (an earlier block's pass read them), so each is prefetched ahead into L1; from
+// memory, only the last one is, the hardware prefetcher keeping up with the others' streams.
 template <int M, int P, typename A, typename W>
-void panel_tile(const A *const *a, const W *b, int64_t K, float *acc) {
+void panel_tile(const A *const *a, const W *b, int64_t K, float *acc, bool warm = true) {
     fvec c[P][M][NV] = {};
     for (int64_t k = 0; k < K; k++) {
         for (int p = 0; p < P; p++) {
             const W *bk = b + (p * K + k) * PANEL;
-            prefetch_ahead(bk, int(PANEL * sizeof(W)));
+            if (warm || p == P - 1) prefetch_ahead(bk, int(PANEL * sizeof(W)));
             fvec bv[NV];
             for (int v = 0; v < NV; v++) bv[v] = load(bk + v * VLEN);
             for (int m = 0; m < M; m++) {
@@ -175,18 +177,18 @@ constexpr int panels_per_tile(int rows) {
 }
 
 // acc[p][rows][PANEL] = rows a times each of panels b .. b + (panels - 1) * K * PANEL (panels at most
-// panels_per_tile(rows)).
+// panels_per_tile(rows)); warm: the panels are in L2.
 template <typename A, typename W>
-void tile_panels(int rows, int panels, const A *const *a, const W *b, int64_t K, float *acc) {
+void tile_panels(int rows, int panels, const A *const *a, const W *b, int64_t K, float *acc, bool warm) {
     if (panels == 1) return tile(rows, a, b, K, acc);
     if constexpr (panels_per_tile<A, W>(1) > 1) {
         const int key = rows * 8 + panels;
         switch (key) {
-            case 1 * 8 + 2: return panel_tile<1, 2>(a, b, K, acc);
-            case 1 * 8 + 3: return panel_tile<1, 3>(a, b, K, acc);
-            case 1 * 8 + 4: return panel_tile<1, 4>(a, b, K, acc);
-            case 2 * 8 + 2: return panel_tile<2, 2>(a, b, K, acc);
-            case 3 * 8 + 2: return panel_tile<3, 2>(a, b, K, acc);
+            case 1 * 8 + 2: return panel_tile<1, 2>(a, b, K, acc, warm);
+            case 1 * 8 + 3: return panel_tile<1, 3>(a, b, K, acc, warm);
+            case 1 * 8 + 4: return panel_tile<1, 4>(a, b, K, acc, warm);
+            case 2 * 8 + 2: return panel_tile<2, 2>(a, b, K, acc, warm);
+            case 3 * 8 + 2: return panel_tile<3, 2>(a, b, K, acc, warm);
         }
     }
     for (int p = 0; p < panels; p++) tile(rows, a, b + p * K * PANEL, K, acc + p * rows * PANEL);

@@ -97,7 +97,7 @@ void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int6
                     fn(t.expert, j + p, MAX_ROWS, r, acc);
                 }
             rows_of(last, last_rows);
-            tile_panels(last_rows, panels, rows, panel, K, acc);
+            tile_panels(last_rows, panels, rows, panel, K, acc, last > first);
             for (int p = 0; p < panels; p++) fn(t.expert, j + p, last_rows, last, acc + p * last_rows * PANEL);
         }
     }
