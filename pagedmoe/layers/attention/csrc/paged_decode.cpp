@@ -38,27 +38,57 @@ void for_heads(int count, Fn fn) {
 template <int HEAD_DIM>
 int64_t head_dim_of(const Shape &s) { return HEAD_DIM ? HEAD_DIM : s.head_dim; }
 
-// Position t's row of one head; the row PREFETCH_ROWS later is prefetched. One row at a time: a block's
-// worth of prefetches at once fills the line-fill buffers and stalls the core.
+// One head's rows of positions t, t + 1, ... in order: a block's rows are adjacent, so a row costs an add and
+// a block a table read. No division per row: a 64-bit divide takes up to 45 cycles on Zen 1.
+template <typename T>
+class Rows {
+    const T *head, *block_row;
+    const int64_t *table;
+    int64_t block, offset, block_size, dim;
+
+  public:
+    Rows(const T *head, const int64_t *table, int64_t t, const Shape &s)
+        : head(head), table(table), block(t / s.block_size), offset(t % s.block_size), block_size(s.block_size),
+          dim(s.head_dim) {
+        block_row = head + table[block] * block_size * dim;
+    }
+    const T *next() {
+        if (offset == block_size) offset = 0, block_row = head + table[++block] * block_size * dim;
+        return block_row + offset++ * dim;
+    }
+};
+
+// Rows from position first to len, each call prefetching the row PREFETCH_ROWS later. One row at a time: a
+// block's worth of prefetches at once fills the line-fill buffers and stalls the core.
 constexpr int64_t PREFETCH_ROWS = 16;
 
 template <typename T>
-const T *row_at(const T *head, const int64_t *table, int64_t t, int64_t len, const Shape &s) {
-    if (const int64_t ahead = t + PREFETCH_ROWS; ahead < len) {
-        const char *row = reinterpret_cast<const char *>(
-            head + (table[ahead / s.block_size] * s.block_size + ahead % s.block_size) * s.head_dim);
-        for (int64_t line = 0; line < int64_t(sizeof(T)) * s.head_dim; line += 64) __builtin_prefetch(row + line);
+class RowWalk {
+    Rows<T> rows, ahead;
+    int64_t ahead_left, row_bytes;
+
+  public:
+    RowWalk(const T *head, const int64_t *table, int64_t first, int64_t len, const Shape &s)
+        : rows(head, table, first, s),
+          ahead(head, table, first + PREFETCH_ROWS < len ? first + PREFETCH_ROWS : first, s),
+          ahead_left(len - first - PREFETCH_ROWS), row_bytes(int64_t(sizeof(T)) * s.head_dim) {}
+    const T *next() {
+        if (ahead_left-- > 0) {
+            const char *row = reinterpret_cast<const char *>(ahead.next());
+            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line);
+        }
+        return rows.next();
     }
-    return head + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.head_dim;
-}
+};
 
 // The generic path (any head size): one dot product per position and query head.
 template <int HEAD_DIM, typename T>
 void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t first, int64_t len,
                const Shape &s, float *scores) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
+    RowWalk<T> rows(k_head, table, first, len, s);
     for (int64_t t = 0; t < n; t++) {
-        const T *row = row_at(k_head, table, first + t, len, s);
+        const T *row = rows.next();
         for (int64_t g = 0; g < s.group_size; g++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -91,8 +121,9 @@ void weighted_values(const float *probs, const T *v_head, const int64_t *table, 
                      const Shape &s, float *acc) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
     std::memset(acc, 0, sizeof(float) * s.group_size * dim);
+    RowWalk<T> rows(v_head, table, first, len, s);
     for (int64_t t = 0; t < n; t++) {
-        const T *row = row_at(v_head, table, first + t, len, s);
+        const T *row = rows.next();
         for (int64_t g = 0; g < s.group_size; g++)
 #pragma omp simd
             for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += probs[g * n + t] * to_float(row[d]);
@@ -105,30 +136,33 @@ void weighted_values(const float *probs, const T *v_head, const int64_t *table, 
 // rest in L1, which costs less than loading every K and V row once per query head (1.33-1.39x at 8-64
 // sequences of 3 heads per KV head on an AVX2 EPYC, bit-identical).
 constexpr int PASS_VECTORS = VLEN == 16 ? 16 : 32;
-constexpr int FOLD_LEVELS = VLEN == 16 ? 4 : 3;
 typedef int32_t ivec __attribute__((vector_size(VLEN * 4)));
 
-// Lane permutations that fold two vectors, each holding the partial sums of 2^level positions in
-// VLEN >> level lanes apiece, into one that holds the 2^(level+1) positions in half as many lanes each.
-struct FoldMasks {
-    ivec lo[FOLD_LEVELS], hi[FOLD_LEVELS];
-    FoldMasks() {
-        for (int level = 0; level < FOLD_LEVELS; level++)
-            for (int o = 0, half = (VLEN >> level) / 2, count = 1 << level; o < VLEN; o++) {
-                const int seg = o / half, from = seg < count ? seg * 2 * half : VLEN + (seg - count) * 2 * half;
-                lo[level][o] = from + o % half;
-                hi[level][o] = from + o % half + half;
-            }
-    }
-};
-const FoldMasks FOLD;
+// Lane permutations that fold two vectors a, b into one that holds the sums of adjacent pairs: of lanes within
+// each 128-bit lane first (IN_: a's pairs, then b's, in each), then of whole 128-bit lanes (ACROSS_). Constants,
+// so each is one shuffle instruction; the in-lane ones first, as a lane-crossing shuffle costs several times
+// as much (on Zen 1 a variable vpermps took 4 cycles where vshufps takes 1).
+#if defined(__AVX512F__)
+constexpr ivec IN_EVEN = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
+constexpr ivec ACROSS_EVEN = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+#else
+constexpr ivec IN_EVEN = {0, 2, 8, 10, 4, 6, 12, 14};
+constexpr ivec ACROSS_EVEN = {0, 1, 2, 3, 8, 9, 10, 11};
+#endif
+constexpr ivec IN_ODD = IN_EVEN + 1, ACROSS_ODD = ACROSS_EVEN + 4;
 
-// The lane sums of p[0..VLEN) as one vector, in order (p is overwritten): a tree of folds, no horizontal adds.
+inline fvec fold(fvec a, fvec b, ivec even, ivec odd) {
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+// The lane sums of p[0..VLEN) as one vector, in order (p is overwritten): two in-lane folds take VLEN vectors
+// to VLEN / 4, each holding 4 positions' sums per 128-bit lane; folds across lanes add those up.
 inline fvec sum_lanes(fvec *p) {
-    for (int level = 0, n = VLEN; n > 1; level++, n /= 2)
-        for (int i = 0; i < n / 2; i++)
-            p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.lo[level]) +
-                   __builtin_shuffle(p[2 * i], p[2 * i + 1], FOLD.hi[level]);
+    int n = VLEN;
+    for (int level = 0; level < 2; level++, n /= 2)
+        for (int i = 0; i < n / 2; i++) p[i] = fold(p[2 * i], p[2 * i + 1], IN_EVEN, IN_ODD);
+    for (; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++) p[i] = fold(p[2 * i], p[2 * i + 1], ACROSS_EVEN, ACROSS_ODD);
     return p[0];
 }
 
@@ -140,6 +174,7 @@ void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t 
     fvec qv[HEADS][N], part[HEADS][VLEN];
     for (int g = 0; g < HEADS; g++)
         for (int n = 0; n < N; n++) qv[g][n] = load(q + (g * N + n) * VLEN);
+    RowWalk<T> rows(k_head, table, first, len, s);
     for (int64_t base = 0; base < len - first; base += VLEN) {
         const int count = int(std::min<int64_t>(VLEN, len - first - base));
         for (int i = 0; i < VLEN; i++) {
@@ -147,7 +182,7 @@ void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t 
                 for (int g = 0; g < HEADS; g++) std::fill(part[g] + i, part[g] + VLEN, fvec{});
                 break;
             }
-            const T *row = row_at(k_head, table, first + base + i, len, s);
+            const T *row = rows.next();
             fvec k[N];
             for (int n = 0; n < N; n++) k[n] = load(row + n * VLEN);
             for (int g = 0; g < HEADS; g++) {
@@ -163,19 +198,42 @@ void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t 
     }
 }
 
-// acc[g] = sum over t of probs[g][t] * v[t], for HEADS heads (probs rows `stride` apart).
+// Vectors of accumulators a values sweep keeps in registers, with one for V and one for a probability.
+constexpr int SUM_VECTORS = VLEN == 16 ? 16 : 12;
+
+// The widest slice of a head, in vectors, whose HEADS heads' sums fit SUM_VECTORS (a divisor of N).
+constexpr int slice_of(int n, int heads) {
+    int slice = std::max(1, std::min(n, SUM_VECTORS / heads));
+    while (n % slice) slice--;
+    return slice;
+}
+
+// acc[g][slice] = sum over t of probs[g][t] * v[t][slice], for HEADS heads (probs rows `stride` apart) and the
+// SLICE vectors of each row from vector n0.
+template <int N, int SLICE, int HEADS, typename T>
+void values_sweep(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
+                  int64_t len, const Shape &s, int n0, float *acc) {
+    fvec sum[HEADS][SLICE] = {};
+    RowWalk<T> rows(v_head, table, first, len, s);
+    for (int64_t t = 0; t < len - first; t++) {
+        const T *row = rows.next() + n0 * VLEN;
+        fvec v[SLICE];
+        for (int n = 0; n < SLICE; n++) v[n] = load(row + n * VLEN);
+        for (int g = 0; g < HEADS; g++)
+            for (int n = 0; n < SLICE; n++) sum[g][n] += probs[g * stride + t] * v[n];
+    }
+    for (int g = 0; g < HEADS; g++) std::memcpy(acc + (g * N + n0) * VLEN, sum[g], sizeof sum[g]);
+}
+
+// acc[g] = sum over t of probs[g][t] * v[t], for HEADS heads, a slice of each row per sweep: the sums of a
+// whole row (24 vectors for 3 heads of 64 on AVX2) spilled to L1, and Zen 1 stores half a vector a cycle.
+// Each sum still adds its positions in order, so the outputs do not depend on the slicing.
 template <int N, int HEADS, typename T>
 void values_pass(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
                  int64_t len, const Shape &s, float *acc) {
-    fvec sum[HEADS][N] = {};
-    for (int64_t t = 0; t < len - first; t++) {
-        const T *row = row_at(v_head, table, first + t, len, s);
-        fvec v[N];
-        for (int n = 0; n < N; n++) v[n] = load(row + n * VLEN);
-        for (int g = 0; g < HEADS; g++)
-            for (int n = 0; n < N; n++) sum[g][n] += probs[g * stride + t] * v[n];
-    }
-    for (int g = 0; g < HEADS; g++) std::memcpy(acc + g * N * VLEN, sum[g], sizeof sum[g]);
+    constexpr int SLICE = slice_of(N, HEADS);
+    for (int n0 = 0; n0 < N; n0 += SLICE)
+        values_sweep<N, SLICE, HEADS>(probs, stride, v_head, table, first, len, s, n0, acc);
 }
 
 // One (sequence, KV head) on the fast path, its query heads in passes of up to HEADS.
