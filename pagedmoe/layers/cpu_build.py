@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pagedmoe.cpu_info import detected_cpu_flags
+
 COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 # -ffast-math at compile time only: at link time GCC < 13 adds crtfastmath.o, which turns on flush-to-zero and
 # denormals-are-zero for the whole process when the library loads
@@ -46,7 +48,15 @@ def cpu_identity() -> bytes:
 
 
 def compile_flags(march: str) -> list[str]:
-    return [*COMPILE_FLAGS, f"-march={march}"]
+    return [*COMPILE_FLAGS, f"-march={march}", *vector_width_flags(march)]
+
+
+def vector_width_flags(march: str) -> list[str]:
+    """256-bit auto-vectorisation on a native AVX2 target without AVX-512. GCC tunes some of those (Zen 1:
+    znver1) to vectorise in 128-bit halves, so every `omp simd` exp was a 4-wide libmvec call; AVX-512
+    targets keep their default width."""
+    flags = detected_cpu_flags()
+    return ["-mprefer-vector-width=256"] if march == "native" and "avx2" in flags and "avx512f" not in flags else []
 
 
 def load_library(source: Path, compiler: str = "c++", march: str = "native") -> ctypes.CDLL:
