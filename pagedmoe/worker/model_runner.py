@@ -12,6 +12,7 @@ from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.kv_transfer.connector import make_connector
 from pagedmoe.engine.sequence import Sequence
 from pagedmoe.layers.attention.cpu_kernel import ENTRY_POINTS, PagedDecodeKernel
+from pagedmoe.layers.attention.cpu_prefill import PagedPrefillKernel
 from pagedmoe.layers.attention.metadata import Workspace
 from pagedmoe.layers.moe.offload.stats import expert_cache_stats
 from pagedmoe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -85,6 +86,7 @@ class ModelRunner:
             self.kv_cache.copy_kernel = copy_blocks
         self.workspace = Workspace(config.torch_dtype, self.device)
         self.decode_kernel = self._decode_kernel()
+        self.prefill_kernel = self._prefill_kernel() if self.decode_kernel is not None else None
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.num_host_blocks, self.decode_kernel)
         self.decode_graphs = make_decode_graphs(config, self.model, self.kv_cache.device_cache, self.workspace,
@@ -162,6 +164,13 @@ class ModelRunner:
             return PagedDecodeKernel(self.config.torch_dtype)
         except RuntimeError as error:
             logger.warning("decode attention falls back to gather + matmuls: %s", error)
+            return None
+
+    def _prefill_kernel(self) -> PagedPrefillKernel | None:
+        try:
+            return PagedPrefillKernel(self.config.torch_dtype)
+        except RuntimeError as error:
+            logger.warning("prefill attention falls back to SDPA: %s", error)
             return None
 
     def _hybrid_kv_layout(self) -> tuple[int | None, list[int] | None]:
@@ -352,7 +361,7 @@ class ModelRunner:
         input_ids, positions, meta = prepare_inputs(token_lists, starts, block_tables, self.config.block_size,
                                                     self.kv_cache.device_cache, self.workspace, self.decode_kernel,
                                                     self.triton_attention)
-        meta.layer_slots = self.layer_slots
+        meta.layer_slots, meta.prefill_kernel = self.layer_slots, self.prefill_kernel
         return input_ids, positions, meta
 
     def _sampling_batch(self, seqs: list[Sequence], num_samples: list[int]) -> SamplingBatch:

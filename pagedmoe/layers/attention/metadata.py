@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel, check_tables
+from pagedmoe.layers.attention.cpu_prefill import PagedPrefillKernel
 from pagedmoe.memory import empty_huge
 
 
@@ -63,6 +64,7 @@ class AttentionMetadata:
     block_size: int
     workspace: Workspace
     decode_kernel: PagedDecodeKernel | None = None  # CPU: attends decode groups in place
+    prefill_kernel: PagedPrefillKernel | None = None  # CPU: attends prefill chunks in place (cpu_prefill.py)
     expert_load: torch.Tensor | None = None  # [num_moe_layers, num_experts] tokens routed this step
     aux_hidden_layers: tuple[int, ...] = ()  # layers whose input hidden states the forward keeps (EAGLE-3)
     aux_hidden: list = field(default_factory=list)  # those hidden states, [num_tokens, hidden] each

@@ -13,9 +13,10 @@ class TorchPagedAttention:
     their slots first. Decodes attend in the chunks the metadata planned (CPU: <= CHUNK_BYTES of context each),
     two batched matmuls a chunk; prefill chunks one sequence at a time, so a chunk with no earlier context runs
     causal SDPA with no padding and no mask. With a decode kernel in the metadata (CPU), decodes read their
-    blocks in place instead (cpu_kernel.py). A sliding-window layer (gpt-oss) attends the last `sliding_window`
-    positions only; sinks ([num_heads], passed per call) are one more logit per head that joins each softmax's
-    denominator and adds nothing to the output, as HF's eager gpt-oss attention computes them."""
+    blocks in place instead (cpu_kernel.py), and with a prefill kernel (CPU) so do prefill chunks
+    (cpu_prefill.py). A sliding-window layer (gpt-oss) attends the last `sliding_window` positions only; sinks
+    ([num_heads], passed per call) are one more logit per head that joins each softmax's denominator and adds
+    nothing to the output, as HF's eager gpt-oss attention computes them; those layers keep SDPA for prefill."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
@@ -40,6 +41,8 @@ class TorchPagedAttention:
         for group in meta.groups:
             if group.is_decode:
                 self._attend_decodes(q, cache, rows, group, meta, out, sinks)
+            elif self._can_use_prefill_kernel(meta, sinks):
+                self._attend_prefill_kernel(q, cache, group, meta.prefill_kernel, out)
             else:
                 self._attend_prefill(q, rows, group, meta.workspace, out, sinks)
         return out
@@ -80,6 +83,17 @@ class TorchPagedAttention:
         key_pos = torch.arange(width, device=chunk.seq_lens.device)
         outside = key_pos[None, :] < (chunk.seq_lens - self.window)[:, None]
         return chunk.padding | outside[None, :, None, :]
+
+    def _can_use_prefill_kernel(self, meta: AttentionMetadata, sinks: torch.Tensor | None) -> bool:
+        kernel = meta.prefill_kernel
+        return kernel is not None and sinks is None and not self.window and kernel.supports(self.head_dim)
+
+    def _attend_prefill_kernel(self, q, cache, group: AttentionGroup, kernel, out: torch.Tensor):
+        bs = cache.shape[2]
+        for i, (start, num_new, seq_len) in enumerate(zip(group.query_starts, group.query_lens, group.seq_lens)):
+            table = group.block_tables[i, :-(-seq_len // bs)]
+            out[start:start + num_new] = kernel(q[start:start + num_new].contiguous(), cache, table, seq_len,
+                                                self.scale)
 
     def _attend_prefill(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor,
                         sinks: torch.Tensor | None):
