@@ -4,7 +4,9 @@ models at decode-sized row counts (oneDNN's packed GEMM, MKL on the plain weight
 `--layers` copies so they come from memory, as in a decode step; each figure is the best of `--iters`,
 the paths interleaved so drift hits them alike. The MoE stack's "layer" path is FusedMoE as the engine runs
 it with the kernels attached (the fused kernel, AMX per expert or oneDNN by batch size). Decode attention:
-the paged kernel over `--layers` caches of the 100M models' shape (4 KV heads of 64, 3 query heads each)."""
+the paged kernel over `--layers` caches of the 100M models' shape (4 KV heads of 64, 3 query heads each).
+Prefill attention: one sequence's `--prefill-lens` positions, the context gather + causal SDPA that the
+PyTorch backend runs against the prefill kernel (layers/attention/cpu_prefill.py)."""
 # Not bench/kernels.py: vllm_driver.py runs from this folder, and transformers imports a package named "kernels".
 import argparse
 import json
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from pagedmoe.cpu_info import describe_cpu
 from pagedmoe.layers.attention.cpu_kernel import PagedDecodeKernel
+from pagedmoe.layers.attention.cpu_prefill import PagedPrefillKernel
 from pagedmoe.layers.cpu_linear import CpuLinear
 from pagedmoe.layers.linear import attach_cpu_kernels, can_pack, pack_weight, packed_linear
 from pagedmoe.layers.moe.cpu_kernel import CpuFusedMoE
@@ -133,6 +136,29 @@ def bench_attention(dtype: torch.dtype, batches: list[int], context: int, layers
     return results
 
 
+def prefill_paths(q: torch.Tensor, caches: list[torch.Tensor], table: torch.Tensor) -> dict:
+    kernel, seq_len = PagedPrefillKernel(q.dtype), q.shape[0]
+
+    def sdpa(cache):
+        context = cache[:, table].flatten(1, 2)[:, :seq_len]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], context[None, :4], context[None, 4:],
+                                              is_causal=True, scale=0.125, enable_gqa=True)
+    return {"sdpa": lambda: [sdpa(c) for c in caches],
+            "kernel": lambda: [kernel(q, c, table, seq_len, 0.125) for c in caches]}
+
+
+def bench_prefill_attention(dtype: torch.dtype, lens: list[int], layers: int, iters: int) -> list[dict]:
+    results = []
+    for seq_len in lens:
+        _, caches, tables, _ = attention_problem(dtype, 1, seq_len, layers)
+        q = torch.randn(seq_len, 12, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        seconds = best_of(prefill_paths(q, caches, tables[0]), iters)
+        flops = 4 * 12 * 64 * seq_len * (seq_len + 1) / 2  # the causal half, QK^T and PV
+        results.append({"op": "prefill_attention", "len": seq_len, **{p: s / layers * 1e3 for p, s in seconds.items()},
+                        "kernel_gflops": flops / (seconds["kernel"] / layers) / 1e9})
+    return results
+
+
 def cell(row: dict, path: str, width: int, digits: int) -> str:
     """A path's figure, or "-" where it did not run (oneDNN without a bf16 path)."""
     return f"{row[path]:>{width}.{digits}f}" if path in row else f"{'-':>{width}}"
@@ -151,6 +177,9 @@ def format_lines(result: dict) -> list[str]:
         lines.append(f"{dtype} decode attention per layer, ms:                    kernel  KV GB/s")
         lines += [f"  seqs {r['seqs']:>4} context <= {r['context']:<5} {r['kernel']:>30.3f} {r['kv_gb_per_s']:>8.1f}"
                   for r in part["attention"]]
+        lines.append(f"{dtype} prefill attention per layer (one sequence), ms:      sdpa   kernel  kernel GFLOP/s")
+        lines += [f"  len {r['len']:>5} {r['sdpa']:>44.3f} {r['kernel']:>8.3f} {r['kernel_gflops']:>10.0f}"
+                  for r in part["prefill_attention"]]
     return lines
 
 
@@ -161,6 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--attention-seqs", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--attention-context", type=int, default=256)
+    parser.add_argument("--prefill-lens", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--output-json", default=None)
@@ -175,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         result["dtypes"][name] = {"linears": bench_linears(dtype, args.rows, args.layers, args.iters),
                                   "moe": bench_moe_stack(dtype, args.moe_tokens, args.layers, args.iters),
                                   "attention": bench_attention(dtype, args.attention_seqs, args.attention_context,
-                                                               args.layers, args.iters)}
+                                                               args.layers, args.iters),
+                                  "prefill_attention": bench_prefill_attention(dtype, args.prefill_lens, args.layers,
+                                                                               args.iters)}
     print("\n".join(format_lines(result)))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -8,7 +8,7 @@ from pagedmoe.bench.cli import main as bench_main
 def test_kernels_bench_reports_every_path(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     args = ["kernels", "--dtypes", "float32", "--rows", "3", "--moe-tokens", "5", "--layers", "1", "--iters", "1",
-            "--attention-seqs", "2", "--attention-context", "40",
+            "--attention-seqs", "2", "--attention-context", "40", "--prefill-lens", "20",
             "--output-json", str(out)]
     assert bench_main(args) == 0
     result = json.loads(out.read_text())
@@ -18,6 +18,8 @@ def test_kernels_bench_reports_every_path(tmp_path, capsys):
     assert moe[0]["tokens"] == 5 and all(moe[0][p] > 0 for p in ("onednn", "loop", "kernel", "layer"))
     attention = result["dtypes"]["float32"]["attention"]
     assert attention[0]["seqs"] == 2 and attention[0]["kernel"] > 0 and attention[0]["kv_gb_per_s"] > 0
+    prefill = result["dtypes"]["float32"]["prefill_attention"]
+    assert prefill[0]["len"] == 20 and all(prefill[0][p] > 0 for p in ("sdpa", "kernel", "kernel_gflops"))
     assert "machine:" in capsys.readouterr().out
 
 
@@ -26,7 +28,7 @@ def test_without_a_onednn_bf16_path_the_other_paths_run(tmp_path, capsys, monkey
     monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx avx2 fma")
     out = tmp_path / "kernels.json"
     args = ["kernels", "--dtypes", "bfloat16", "--rows", "3", "--moe-tokens", "5", "--layers", "1", "--iters", "1",
-            "--attention-seqs", "1", "--attention-context", "20", "--output-json", str(out)]
+            "--attention-seqs", "1", "--attention-context", "20", "--prefill-lens", "17", "--output-json", str(out)]
     assert bench_main(args) == 0
     part = json.loads(out.read_text())["dtypes"]["bfloat16"]
     assert all("onednn" not in r and r["mkl"] > 0 and r["kernel"] > 0 for r in part["linears"])
