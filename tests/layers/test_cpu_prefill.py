@@ -73,9 +73,9 @@ class CountingKernel:
     def supports(self, head_dim: int) -> bool:
         return self.kernel.supports(head_dim)
 
-    def __call__(self, q, cache, block_table, seq_len, scale):
+    def __call__(self, q, cache, block_table, seq_len, scale, tables_checked=False):
         self.seq_lens.append(seq_len)
-        return self.kernel(q, cache, block_table, seq_len, scale)
+        return self.kernel(q, cache, block_table, seq_len, scale, tables_checked)
 
 
 def test_prompts_attend_through_the_kernel_as_hf_scores_them(dense_model):

@@ -47,9 +47,13 @@ class PagedPrefillKernel:
         return head_dim % self.panel == 0 and head_dim <= self.max_head_dim
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, tables_checked: bool = False) -> torch.Tensor:
+        """tables_checked: check_tables already passed for this step's tables (once per step, not once per
+        layer and sequence)."""
         num_queries, num_heads, head_dim = q.shape
         _check(self, q, cache, block_table, seq_len)
+        if not tables_checked:
+            check_tables(block_table[None], torch.tensor([seq_len]), cache.shape[1], cache.shape[2])
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         shape = Shape(num_queries, seq_len, num_heads, cache.shape[0] // 2, cache.shape[1], cache.shape[2], head_dim)
         self.fn(*map(ptr, (q, cache, block_table, out)), shape, ctypes.c_float(scale), num_threads())
@@ -70,4 +74,3 @@ def _check(kernel: PagedPrefillKernel, q, cache, block_table, seq_len: int):
                          f"{kernel.max_head_dim}, got {q.shape[2]}")
     if not 0 < q.shape[0] <= seq_len:
         raise ValueError(f"seq_len: {seq_len} must cover the {q.shape[0]} queries")
-    check_tables(block_table[None], torch.tensor([seq_len]), cache.shape[1], cache.shape[2])

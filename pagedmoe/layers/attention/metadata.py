@@ -93,8 +93,8 @@ def build_attention_metadata(query_lens: torch.Tensor, seq_lens: torch.Tensor, b
         groups = [_build_group(sel, query_lens, seq_lens, query_start, block_tables, block_size, kv_caches, device,
                                plan_chunks=decode_kernel is None)
                   for sel in (is_decode, ~is_decode) if sel.any()]
-    if decode_kernel is not None:  # once per step: the kernel then skips the check in each layer
-        for group in (g for g in groups if g.is_decode):
+    if decode_kernel is not None:  # once per step: the kernels (decode, prefill) then skip it in each layer
+        for group in groups:
             check_tables(group.block_tables, group.seq_lens_tensor, kv_caches.shape[2], block_size)
     return AttentionMetadata(slot_mapping.to(device), kv_caches, groups, block_size, workspace, decode_kernel)
 

@@ -42,7 +42,7 @@ class TorchPagedAttention:
             if group.is_decode:
                 self._attend_decodes(q, cache, rows, group, meta, out, sinks)
             elif self._can_use_prefill_kernel(meta, sinks):
-                self._attend_prefill_kernel(q, cache, group, meta.prefill_kernel, out)
+                self._attend_prefill_kernel(q, cache, group, meta, out)
             else:
                 self._attend_prefill(q, rows, group, meta.workspace, out, sinks)
         return out
@@ -88,12 +88,12 @@ class TorchPagedAttention:
         kernel = meta.prefill_kernel
         return kernel is not None and sinks is None and not self.window and kernel.supports(self.head_dim)
 
-    def _attend_prefill_kernel(self, q, cache, group: AttentionGroup, kernel, out: torch.Tensor):
-        bs = cache.shape[2]
+    def _attend_prefill_kernel(self, q, cache, group: AttentionGroup, meta: AttentionMetadata, out: torch.Tensor):
+        bs, checked = cache.shape[2], meta.decode_kernel is not None  # the metadata checked tables if so
         for i, (start, num_new, seq_len) in enumerate(zip(group.query_starts, group.query_lens, group.seq_lens)):
             table = group.block_tables[i, :-(-seq_len // bs)]
-            out[start:start + num_new] = kernel(q[start:start + num_new].contiguous(), cache, table, seq_len,
-                                                self.scale)
+            out[start:start + num_new] = meta.prefill_kernel(q[start:start + num_new].contiguous(), cache, table,
+                                                             seq_len, self.scale, tables_checked=checked)
 
     def _attend_prefill(self, q, rows, group: AttentionGroup, workspace: Workspace, out: torch.Tensor,
                         sinks: torch.Tensor | None):
