@@ -45,6 +45,10 @@ inline float to_float(BF16 x) {
     return f;
 }
 
+// By value, so that a tile's accumulators stay registers: memcpy from their array made it addressable, and GCC
+// then zeroed the array with a memset call before every tile (1.2-1.5% of a decode step, never read).
+inline void store_vec(float *p, fvec v) { std::memcpy(p, &v, sizeof v); }
+
 inline fvec load(const float *p) {
     fvec v;
     std::memcpy(&v, p, sizeof v);
@@ -106,7 +110,10 @@ inline void store_gated(T *out, const float *acc_row) {
 // memory, only the last one is, the hardware prefetcher keeping up with the others' streams.
 template <int M, int P, typename A, typename W>
 void panel_tile(const A *const *a, const W *b, int64_t K, float *acc, bool warm = true) {
-    fvec c[P][M][NV] = {};
+    fvec c[P][M][NV];
+    for (int p = 0; p < P; p++)
+        for (int m = 0; m < M; m++)
+            for (int v = 0; v < NV; v++) c[p][m][v] = fvec{};
     for (int64_t k = 0; k < K; k++) {
         for (int p = 0; p < P; p++) {
             const W *bk = b + (p * K + k) * PANEL;
@@ -121,7 +128,7 @@ void panel_tile(const A *const *a, const W *b, int64_t K, float *acc, bool warm 
     }
     for (int p = 0; p < P; p++)
         for (int m = 0; m < M; m++)
-            for (int v = 0; v < NV; v++) std::memcpy(acc + (p * M + m) * PANEL + v * VLEN, &c[p][m][v], sizeof(fvec));
+            for (int v = 0; v < NV; v++) store_vec(acc + (p * M + m) * PANEL + v * VLEN, c[p][m][v]);
 }
 
 #if defined(__AVX512BF16__)

@@ -4,6 +4,7 @@
 // the kernels (about 100 us against 60 on gpt-oss-200m); here they run back to back. Each step is the very
 // kernel the layer's modules call one by one, in the same order, so the result is bit-identical to theirs.
 // Built and loaded by pagedmoe/layers/attention/decode_block.py.
+#include <memory>
 #include <vector>
 
 #include "../../csrc/amx_tile.h"

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "../../csrc/tile_gemm.h"
@@ -213,7 +214,9 @@ constexpr int slice_of(int n, int heads) {
 template <int N, int SLICE, int HEADS, typename T>
 void values_sweep(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
                   int64_t len, const Shape &s, int n0, float *acc) {
-    fvec sum[HEADS][SLICE] = {};
+    fvec sum[HEADS][SLICE];
+    for (int g = 0; g < HEADS; g++)
+        for (int n = 0; n < SLICE; n++) sum[g][n] = fvec{};
     RowWalk<T> rows(v_head, table, first, len, s);
     for (int64_t t = 0; t < len - first; t++) {
         const T *row = rows.next() + n0 * VLEN;
@@ -222,7 +225,8 @@ void values_sweep(const float *probs, int64_t stride, const T *v_head, const int
         for (int g = 0; g < HEADS; g++)
             for (int n = 0; n < SLICE; n++) sum[g][n] += probs[g * stride + t] * v[n];
     }
-    for (int g = 0; g < HEADS; g++) std::memcpy(acc + (g * N + n0) * VLEN, sum[g], sizeof sum[g]);
+    for (int g = 0; g < HEADS; g++)
+        for (int n = 0; n < SLICE; n++) tile_gemm::store_vec(acc + (g * N + n0 + n) * VLEN, sum[g][n]);
 }
 
 // acc[g] = sum over t of probs[g][t] * v[t], for HEADS heads, a slice of each row per sweep: the sums of a
@@ -268,8 +272,8 @@ void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const
         const int64_t first = first_position(len, s), stride = (len - first + VLEN - 1) / VLEN * VLEN;
         const int64_t *table = block_tables + seq * s.max_blocks;
         const float *head_sinks = sinks ? sinks + kv_head * s.group_size : nullptr;
-        std::vector<float> buffer(2 * width + s.group_size * stride);
-        float *qf = buffer.data(), *acc = qf + width, *scores = acc + width;
+        const std::unique_ptr<float[]> buffer(new float[2 * width + s.group_size * stride]);  // not zeroed
+        float *qf = buffer.get(), *acc = qf + width, *scores = acc + width;
         for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
         const T *k_head = cache + kv_head * head_stride, *v_head = cache + (s.num_kv_heads + kv_head) * head_stride;
         if constexpr (FAST) {
