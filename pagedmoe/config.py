@@ -37,6 +37,9 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 0
     kv_offload_dir: str | None = None
     max_num_batched_tokens: int = 2048
+    # as vLLM's: the most tokens of one request's prefill in a step while other requests run or wait (0: no
+    # cap). Lower: shorter steps beside decodes (ITL), more steps to a prompt's first token (TTFT).
+    long_prefill_token_threshold: int = 0
     max_num_seqs: int = 128
     max_model_len: int | None = None
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: the vocab size), as vLLM
@@ -105,6 +108,9 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap), "
+                             f"got {self.long_prefill_token_threshold}")
         for name in ("attention_backend", "moe_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")

@@ -47,7 +47,7 @@ def vllm_request(model_dir: str, dtype: str, workload: list[BenchRequest], args)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in workload)
     return {"model": os.path.abspath(model_dir), "dtype": dtype, "max_model_len": max(longest, 256),
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "repeats": args.repeats,
+            "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", 0), "repeats": args.repeats,
             "prompts": [r.prompt_token_ids for r in workload], "output_lens": [r.output_len for r in workload]}
 
 
@@ -78,9 +78,12 @@ def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args
 
 
 def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
-            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    """`vllm serve` with pagedmoe's scheduler limits, so that both engines batch under the same ones."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+               "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    threshold = getattr(args, "long_prefill_token_threshold", 0)
+    return command + (["--long-prefill-token-threshold", str(threshold)] if threshold else [])
 
 
 @contextlib.contextmanager

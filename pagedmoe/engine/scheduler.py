@@ -37,6 +37,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.waiting_for_remote_kvs: list[Sequence] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.request_cap = config.max_num_batched_tokens
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -47,6 +48,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], BlockTransfers())
         budget = self.config.max_num_batched_tokens
+        self.request_cap = self._request_cap(budget)
         num_preempted = sum(self.num_preemptions.values())
         budget = self._schedule_running(out, budget)
         if sum(self.num_preemptions.values()) == num_preempted:
@@ -57,11 +59,18 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta() if self.connector is not None else None
         return out
 
+    def _request_cap(self, budget: int) -> int:
+        """The most new tokens one request gets this step: long_prefill_token_threshold where another request
+        runs or waits (as vLLM, a request alone has nobody to starve), else the whole budget."""
+        threshold = self.config.long_prefill_token_threshold
+        num_eligible = len(self.running) + len(self.waiting) + len(self.swapped)
+        return threshold if 0 < threshold < budget and num_eligible > 1 else budget
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens, budget, self.request_cap)
             del seq.spec_token_ids[max(seq.num_computed_tokens + num_new - len(seq), 0):]  # drafts past the budget
             if num_new == 0:
                 index += 1
@@ -110,7 +119,7 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            num_new = min(len(seq) - seq.num_computed_tokens, budget, self.request_cap)
             if not self.kv.can_swap_in(seq, num_new):
                 break
             self.kv.swap_in(seq)
@@ -127,7 +136,8 @@ class Scheduler:
                 budget = self._start_after_remote_kv(self.waiting.popleft(), out, budget)
                 continue
             cached = self.kv.find_cached_prefix(seq) if not seq.block_table else []
-            num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget)
+            num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget,
+                          self.request_cap)
             if not self.kv.allocate_slots(seq, num_new, cached):
                 break
             if self.kv.drop_last_hit:  # an MTP's KV over the cached blocks is taken as it is

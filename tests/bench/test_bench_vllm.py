@@ -111,6 +111,18 @@ def test_all_cores_binding_names_the_allowed_cpus(monkeypatch):
     assert peer.thread_bindings()["all-cores"] == "0,2,5"
 
 
+def test_vllm_serve_gets_the_same_scheduler_limits():
+    import argparse
+    from pagedmoe.bench.vllm_peer import vllm_serve_command
+    args = argparse.Namespace(max_num_seqs=16, max_num_batched_tokens=512, long_prefill_token_threshold=0)
+    command = vllm_serve_command("py", "m", 8000, "float32", args)
+    assert command[command.index("--max-num-batched-tokens") + 1] == "512"
+    assert "--long-prefill-token-threshold" not in command  # vLLM's default, 0, as pagedmoe's
+    args.long_prefill_token_threshold = 128
+    command = vllm_serve_command("py", "m", 8000, "float32", args)
+    assert command[command.index("--long-prefill-token-threshold") + 1] == "128"
+
+
 FAKE_API_SERVER = """
 import argparse, json, os
 from pagedmoe.entrypoints.cli import main

@@ -12,6 +12,7 @@ SCENARIOS = {
     "alone": dict(),
     "batch": dict(),
     "chunked": dict(max_num_batched_tokens=16),
+    "long_prefill": dict(long_prefill_token_threshold=8),
     "recompute": dict(num_kv_blocks=14, preemption_mode="recompute"),
     "swap": dict(num_kv_blocks=14, preemption_mode="swap"),
 }
