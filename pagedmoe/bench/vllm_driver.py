@@ -24,7 +24,7 @@ def load_engine(request: dict):
     return LLM(model=request["model"], dtype=request["dtype"], skip_tokenizer_init=True, seed=0,
                max_model_len=request["max_model_len"], max_num_seqs=request["max_num_seqs"],
                max_num_batched_tokens=request["max_num_batched_tokens"], enable_prefix_caching=False,
-               long_prefill_token_threshold=request.get("long_prefill_token_threshold", 0))
+               long_prefill_token_threshold=request["long_prefill_token_threshold"])
 
 
 def run(request: dict) -> dict:

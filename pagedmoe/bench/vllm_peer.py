@@ -47,7 +47,7 @@ def vllm_request(model_dir: str, dtype: str, workload: list[BenchRequest], args)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in workload)
     return {"model": os.path.abspath(model_dir), "dtype": dtype, "max_model_len": max(longest, 256),
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", 0), "repeats": args.repeats,
+            "long_prefill_token_threshold": args.long_prefill_token_threshold, "repeats": args.repeats,
             "prompts": [r.prompt_token_ids for r in workload], "output_lens": [r.output_len for r in workload]}
 
 
@@ -82,7 +82,7 @@ def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args)
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
                "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    threshold = getattr(args, "long_prefill_token_threshold", 0)
+    threshold = args.long_prefill_token_threshold
     return command + (["--long-prefill-token-threshold", str(threshold)] if threshold else [])
 
 

@@ -10,7 +10,6 @@
 #include <cstring>
 #include <algorithm>
 #include <memory>
-#include <vector>
 
 #include "../../csrc/tile_gemm.h"
 
