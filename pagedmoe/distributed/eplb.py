@@ -44,6 +44,13 @@ def rebalance(load: torch.Tensor, num_ranks: int, num_redundant: int) -> torch.T
     return torch.stack([rebalance_layer(row, num_ranks, num_redundant) for row in load])
 
 
+def better_of(current: torch.Tensor, proposed: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+    """[layers, ranks, slots] each layer's proposed placement where it balances the load better than the current
+    one, else the current (the greedy packing can lose to it, and an equal one is not worth the weight moves)."""
+    return torch.stack([new if imbalance(new, row) < imbalance(old, row) else old
+                        for old, new, row in zip(current, proposed, load)])
+
+
 def initial_placement(num_layers: int, num_experts: int, num_ranks: int, num_redundant: int) -> torch.Tensor:
     """Before any load is known: experts in order over the ranks (vLLM's linear expert map), the redundant
     slots to experts 0, 1, ..."""

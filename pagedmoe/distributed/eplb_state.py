@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pagedmoe.distributed.eplb import imbalance, rebalance
+from pagedmoe.distributed.eplb import better_of, imbalance, rebalance
 from pagedmoe.distributed.expert_map import ExpertMap
 
 EXPERT_WEIGHTS = ("w13", "w2", "w13_bias", "w2_bias")
@@ -40,7 +40,7 @@ class EplbState:
 
     def next_placement(self, current: torch.Tensor) -> ExpertPlacement:
         load = torch.stack(list(self.window)).sum(dim=0).double()
-        placement = rebalance(load, self.num_ranks, self.num_redundant)
+        placement = better_of(current, rebalance(load, self.num_ranks, self.num_redundant), load)
         self.history.append((self.num_steps, _mean_imbalance(current, load), _mean_imbalance(placement, load)))
         self.last_rebalance = self.num_steps
         return ExpertPlacement(placement)

@@ -9,7 +9,7 @@ from pagedmoe.layers.linear import Linear, MergedLinear
 from pagedmoe.layers.moe.routers import RouterConfig
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding, rope_inv_freq, yarn_softmax_scale
-from pagedmoe.models.llama import MLP, DecoderForCausalLM, _copy_param
+from pagedmoe.models.llama import MLP, DecoderForCausalLM, _copy_param, select_rows
 from pagedmoe.models.moe_block import MoEBlock
 
 
@@ -43,14 +43,15 @@ class MLAttention(nn.Module):
     def qk_dim(self) -> int:
         return self.nope_dim + self.rope_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         q, kv_a = self.project(x)
         q_nope, q_pe = q.view(-1, self.num_heads, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         o_latent = self.attn(q_latent, q_pe, self.kv_a_layernorm(latent), k_pe.squeeze(1), meta)
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
+        o = torch.bmm(select_rows(o_latent, rows).transpose(0, 1), self.w_uv).transpose(0, 1)
         return self.o_proj(o.flatten(1))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +87,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, positions, x, meta, rows: torch.Tensor | None = None):
+        x = select_rows(x, rows) + self.self_attn(positions, self.input_layernorm(x), meta, rows)
         return x + self.mlp(self.post_attention_layernorm(x), meta)
 
 

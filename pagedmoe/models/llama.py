@@ -46,7 +46,8 @@ class Attention(nn.Module):
         self.attn = TorchPagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                                         self.head_dim ** -0.5, sliding_window_of(config, layer_idx))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                          self.num_kv_heads * self.head_dim], dim=-1)
         if self.qk_norm == "full":
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, self.sinks)
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(select_rows(o.flatten(1), rows))
 
 
 class MLP(nn.Module):
@@ -82,10 +83,11 @@ class DecoderLayer(nn.Module):
 
     decode_block = None  # CPU: the attention half in one call for steps of decodes (attach_decode_blocks)
 
-    def forward(self, positions, x, meta):
-        fused = self.decode_block(positions, x, meta) if self.decode_block is not None else None
+    def forward(self, positions, x, meta, rows: torch.Tensor | None = None):
+        """rows: compute only these past the attention (the last layer, where the step reads only some)."""
+        fused = self.decode_block(positions, x, meta) if self.decode_block is not None and rows is None else None
         if fused is None:
-            x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+            x = select_rows(x, rows) + self.self_attn(positions, self.input_layernorm(x), meta, rows)
             fused = x, self.post_attention_layernorm(x)
         x, normed = fused
         return x + self.mlp(normed, meta)
@@ -138,7 +140,7 @@ class DecoderForCausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             if index in meta.aux_hidden_layers:
                 meta.aux_hidden.append(x)
-            x = layer(positions, x, meta)
+            x = layer(positions, x, meta, meta.output_rows if index == len(self.layers) - 1 else None)
         x = self.norm(x)
         if len(self.layers) in meta.aux_hidden_layers:  # as HF's hidden_states[num_layers]: after the norm
             meta.aux_hidden.append(x)
@@ -171,6 +173,10 @@ class DecoderForCausalLM(nn.Module):
             module.load_shard(shard, parts[-1], tensor)
             return True
         return _copy_param(self, name, tensor)
+
+
+def select_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x[rows]
 
 
 def _copy_param(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:

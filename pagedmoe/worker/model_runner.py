@@ -335,12 +335,25 @@ class ModelRunner:
         if self.expert_load_shape and graph_size is None:
             meta.expert_load = torch.zeros(self.expert_load_shape, dtype=torch.long, device=self.device)
         meta.aux_hidden_layers = self.drafter.aux_layers if self.drafter is not None else ()
+        logits_rows = plan.logits_rows
         if graph_size is not None:
             hidden = self.decode_graphs.replay(input_ids, positions, meta, graph_size)
         else:
+            meta.output_rows, logits_rows = self._output_rows(logits_rows, len(input_ids))
             hidden = self.model(input_ids, positions, meta)
-        rows = [torch.tensor(r, dtype=torch.long, device=self.device) for r in plan.logits_rows]
+        rows = [torch.tensor(r, dtype=torch.long, device=self.device) for r in logits_rows]
         return hidden, meta, [self.model.compute_logits(hidden[r]) for r in rows]
+
+    def _output_rows(self, logits_rows: list[list[int]], num_tokens: int):
+        """The rows the step reads past the last layer, which then computes only those (as llama.cpp's
+        output ids: the rest of a prompt needs its KV, not its MLP), and the logits rows as indices into them.
+        None where every row is read, or the proposer drafts from the final hidden states."""
+        needed = sorted({row for rows in logits_rows for row in rows}) or [num_tokens - 1]  # kernels want a row
+        if len(needed) == num_tokens or (self.drafter is not None and self.drafter.uses_hidden_states):
+            return None, logits_rows
+        index = {row: i for i, row in enumerate(needed)}
+        return (torch.tensor(needed, dtype=torch.long, device=self.device),
+                [[index[row] for row in rows] for rows in logits_rows])
 
     def _plan(self, sched: SchedulerOutput, ends: list[int], logits_rows: list[list[int]]) -> StepPlan:
         starts = [seq.num_computed_tokens for seq in sched.seqs]

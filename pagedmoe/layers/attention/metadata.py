@@ -71,6 +71,7 @@ class AttentionMetadata:
     layer_slots: list[int] | None = None  # hybrid KV: the kv_caches entry of each layer (None: its index)
     window: "AttentionMetadata | None" = None  # hybrid KV: what sliding-window layers attend (their tables)
     triton: "TritonAttention | None" = None  # the Triton kernels' step inputs (triton_backend.py), None: PyTorch
+    output_rows: torch.Tensor | None = None  # the rows read past the last layer (logits); None: every row
 
     def layer_cache(self, layer_idx: int) -> torch.Tensor:
         return self.kv_caches[self.layer_slots[layer_idx] if self.layer_slots is not None else layer_idx]
