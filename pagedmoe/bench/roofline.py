@@ -17,7 +17,9 @@ never fed), at positions 0..N-1, and samples O times:
 
     FLOPs = 2 * M * N + 2 * L * H * (d_qk + d_v) * N * (N + 1) / 2 + 2 * V * D * O
 
-Prefix-cache hits and recompute preemption change what the engine actually runs, not these model FLOPs.
+Prefix-cache hits, recompute preemption and the last layer's skipped rows (its o_proj and MLP run only on the
+rows that sample: 6-7% of a prompt's FLOPs at 12 layers) change what the engine actually runs, not these model
+FLOPs: the same count for every engine, so a roofline percentage compares engines on the same work.
 
 Bytes of a decode step (the memory side of its roofline): every weight the step touches is read once,
 (dense + LM head + E_active x one expert) x weight bytes, with E_active the distinct experts the step routed

@@ -3,7 +3,8 @@ number of slots) whose max/mean rank load falls to the stated bound."""
 import pytest
 import torch
 
-from pagedmoe.distributed.eplb import balanced_packing, better_of, imbalance, initial_placement, rebalance, replicate_experts
+from pagedmoe.distributed.eplb import (balanced_packing, better_of, imbalance, initial_placement, rebalance,
+                                      replicate_experts)
 
 SKEWED = torch.tensor([60.0, 30, 5, 5, 5, 5, 5, 5])  # contiguous on 4 ranks: [90, 10, 10, 10], max / mean 3.0
 
