@@ -35,8 +35,10 @@ def test_metrics_report_ranks_and_expert_balance():
         assert metric(text, "parallel_comm_seconds_total", 'kind="all_reduce"') > 0
         tokens = [metric(text, "parallel_rank_expert_tokens_total", f'rank="{r}"') for r in (0, 1)]
         routed = sum(float(v) for v in re.findall(r"^pagedmoe:expert_tokens_total{.*} (\S+)$", text, re.M))
-        forwarded = metric(text, "prompt_tokens_total") + metric(text, "generation_tokens_total") - 4
-        assert sum(tokens) == routed == forwarded * 2 * 4  # top-2 of each of 4 layers; last tokens never fed back
+        prompt_tokens = metric(text, "prompt_tokens_total")
+        forwarded = prompt_tokens + metric(text, "generation_tokens_total") - 4  # last tokens never fed back
+        last_layer_rows = forwarded - (prompt_tokens - 1)  # its experts see the prompt's last row, not the others
+        assert sum(tokens) == routed == 2 * (3 * forwarded + last_layer_rows)  # top-2 in each of 4 layers
         assert metric(text, "expert_load_imbalance") == max(tokens) / (sum(tokens) / 2)
         scrape = lambda: httpx.get(f"{running.url}/metrics", headers=HEADERS).text  # noqa: E731
         # each rank's seconds are fetched at most once a second: wait for a fetch after the request
