@@ -37,7 +37,6 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.waiting_for_remote_kvs: list[Sequence] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
-        self.request_cap = config.max_num_batched_tokens
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -48,13 +47,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], BlockTransfers())
         budget = self.config.max_num_batched_tokens
-        self.request_cap = self._request_cap(budget)
+        cap = self._request_cap(budget)
         num_preempted = sum(self.num_preemptions.values())
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, cap)
         if sum(self.num_preemptions.values()) == num_preempted:
-            budget = self._schedule_swapped(out, budget)
+            budget = self._schedule_swapped(out, budget, cap)
             if not self.swapped:
-                self._schedule_waiting(out, budget)
+                self._schedule_waiting(out, budget, cap)
         out.transfers = self.kv.take_transfers()
         out.connector_meta = self.connector.build_connector_meta() if self.connector is not None else None
         return out
@@ -66,11 +65,11 @@ class Scheduler:
         num_eligible = len(self.running) + len(self.waiting) + len(self.swapped)
         return threshold if 0 < threshold < budget and num_eligible > 1 else budget
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens, budget, self.request_cap)
+            num_new = min(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens, budget, cap)
             del seq.spec_token_ids[max(seq.num_computed_tokens + num_new - len(seq), 0):]  # drafts past the budget
             if num_new == 0:
                 index += 1
@@ -116,10 +115,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget, self.request_cap)
+            num_new = min(len(seq) - seq.num_computed_tokens, budget, cap)
             if not self.kv.can_swap_in(seq, num_new):
                 break
             self.kv.swap_in(seq)
@@ -127,7 +126,7 @@ class Scheduler:
             budget = self._start_running(self.swapped.popleft(), num_new, out, budget)
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._wants_remote_kv(seq):
@@ -136,8 +135,7 @@ class Scheduler:
                 budget = self._start_after_remote_kv(self.waiting.popleft(), out, budget)
                 continue
             cached = self.kv.find_cached_prefix(seq) if not seq.block_table else []
-            num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget,
-                          self.request_cap)
+            num_new = min(len(seq) - max(seq.num_computed_tokens, len(cached) * self.kv.block_size), budget, cap)
             if not self.kv.allocate_slots(seq, num_new, cached):
                 break
             if self.kv.drop_last_hit:  # an MTP's KV over the cached blocks is taken as it is

@@ -348,8 +348,10 @@ class ModelRunner:
         """The rows the step reads past the last layer, which then computes only those (as llama.cpp's
         output ids: the rest of a prompt needs its KV, not its MLP), and the logits rows as indices into them.
         None where every row is read, or the proposer drafts from the final hidden states."""
+        if self.drafter is not None and self.drafter.uses_hidden_states:
+            return None, logits_rows
         needed = sorted({row for rows in logits_rows for row in rows}) or [num_tokens - 1]  # kernels want a row
-        if len(needed) == num_tokens or (self.drafter is not None and self.drafter.uses_hidden_states):
+        if len(needed) == num_tokens:
             return None, logits_rows
         index = {row: i for i, row in enumerate(needed)}
         return (torch.tensor(needed, dtype=torch.long, device=self.device),
