@@ -2,6 +2,7 @@
 shared by all."""
 import argparse
 import asyncio
+import functools
 import importlib
 import sys
 
@@ -18,17 +19,11 @@ def _load_llm(args, needs_tokenizer: bool):
 
 def _throughput(args):
     from pagedmoe.bench.baselines import run_baseline
-    from pagedmoe.bench.report import roofline_lines, throughput_table, write_json
+    from pagedmoe.bench.report import write_json
     from pagedmoe.bench.roofline import matmul_peak, read_bandwidth
-    from pagedmoe.bench.throughput import best_of_repeats, decode_bandwidth, pagedmoe_throughput
+    from pagedmoe.bench.throughput import decode_bandwidth, pagedmoe_throughput
     from pagedmoe.bench.workload import build_workload
-    if "llama.cpp" in args.baseline:
-        from pagedmoe.bench.llamacpp import check_llama_cpp
-        check_llama_cpp()  # fail before the long runs, not after
-    if "vllm" in args.baseline:
-        from pagedmoe.bench.vllm_peer import check_vllm_python
-        check_vllm_python(args.vllm_python)
-    _check_repeats(args)
+    _check_throughput_args(args)
     llm, counts = _load_llm(args, bool(args.dataset))
     config = llm.engine.config
     workload = build_workload(args, config.hf_config.vocab_size, llm.get_tokenizer())
@@ -36,21 +31,52 @@ def _throughput(args):
     peak |= {"read": read_bandwidth(config.device, args.peak_read_mib << 20, args.peak_repeats)}
     if args.background_load:
         pagedmoe_throughput(llm, workload[:4])  # warm-up, so that the quiet run is not the colder one
-    ours = best_of_repeats(lambda: pagedmoe_throughput(llm, workload, counts), args.repeats)
-    results = _header("throughput", args, workload, counts) | {"pagedmoe": ours}
+    results = _header("throughput", args, workload, counts) | _pagedmoe_runs(args, llm, workload, counts)
     if config.speculative_config is not None:
-        results |= _throughput_without_speculation(args, llm, workload, counts, ours["output_tok_s"])
+        results |= _throughput_without_speculation(args, llm, workload, counts, results["pagedmoe"]["output_tok_s"])
     if args.background_load:
         results |= _loaded_run(llm, workload, counts, args.background_load, results["pagedmoe"])
     if "vllm" in args.baseline:
         from pagedmoe.bench.startup import pagedmoe_startup
         results["pagedmoe"]["startup_to_first_token_s"] = pagedmoe_startup(
             args.model, engine_kwargs(args), workload[0].prompt_token_ids)
-    for name in args.baseline:
+    for name in [name for name in args.baseline if name not in results]:
         results[name] = run_baseline(name, args.model, config.torch_dtype, workload, config.device, args)
     _add_rooflines(results, ["pagedmoe", *args.baseline], counts.workload_flops(workload), peak)
     results["roofline"]["decode_bandwidth"] = decode_bandwidth(
         results["pagedmoe"]["steps"], counts, config.torch_dtype.itemsize, peak["read"]["peak_bytes_s"])
+    _print_throughput(results, args)
+    write_json(results, args.output_json)
+    return results
+
+
+def _check_throughput_args(args):
+    """Fail before the long runs, not after."""
+    if "llama.cpp" in args.baseline:
+        from pagedmoe.bench.llamacpp import check_llama_cpp
+        check_llama_cpp()
+    if "vllm" in args.baseline:
+        from pagedmoe.bench.vllm_peer import check_vllm_python
+        check_vllm_python(args.vllm_python)
+    elif args.interleave:
+        raise ValueError("--interleave alternates pagedmoe's runs with vLLM's: it needs --baseline vllm")
+    _check_repeats(args)
+
+
+def _pagedmoe_runs(args, llm, workload, counts) -> dict:
+    """pagedmoe's fastest of --repeats runs; with --interleave, one run right after each of vLLM's (so that the
+    host's drift falls on both engines alike), vLLM's row and each pair's ratio with them."""
+    from pagedmoe.bench.throughput import best_of_repeats, pagedmoe_throughput
+    run = functools.partial(pagedmoe_throughput, llm, workload, counts)
+    if not args.interleave:
+        return {"pagedmoe": best_of_repeats(run, args.repeats)}
+    from pagedmoe.bench.vllm_peer import interleaved_runs
+    return interleaved_runs(args.model, str(llm.engine.config.torch_dtype).removeprefix("torch."), workload, args,
+                            run)
+
+
+def _print_throughput(results: dict, args):
+    from pagedmoe.bench.report import roofline_lines, throughput_table
     print(throughput_table(results, ["pagedmoe", *args.baseline]))
     print(roofline_lines(results["roofline"]))
     if args.background_load:
@@ -59,8 +85,6 @@ def _throughput(args):
     if "vllm" in args.baseline:
         from pagedmoe.bench.report import vllm_lines
         print(vllm_lines(results))
-    write_json(results, args.output_json)
-    return results
 
 
 def _plain_llm(args):
@@ -255,10 +279,14 @@ def _add_throughput(sub):
                     "read bandwidth (a GPU wants several GiB)")
     tp.add_argument("--vllm-python", default=None, help="vllm baseline: vLLM's interpreter (its own venv, see "
                     "`pagedmoe bench setup-vllm DIR`)")
-    tp.add_argument("--vllm-timeout", type=float, default=1800, help="vllm baseline: seconds per binding's run")
+    tp.add_argument("--vllm-timeout", type=float, default=1800,
+                    help="vllm baseline: seconds its start-up or one run may take")
     tp.add_argument("--repeats", type=int, default=1, help="run the workload N times on pagedmoe and on the "
                     "vllm baseline (per binding, after one start-up) and report each engine's fastest run, every "
                     "run's tok/s in --output-json; N > 1 turns prefix caching off, as vLLM's run has it")
+    tp.add_argument("--interleave", action="store_true", help="vllm baseline: keep vLLM started between its "
+                    "runs and run pagedmoe right after each of them (--repeats pairs per binding), so that the "
+                    "host's drift falls on both engines alike; reports each pair's ratio and their median")
     tp.add_argument("--background-load", type=int, default=0, metavar="N",
                     help="run the workload again with N busy-looping processes beside the engine (started and "
                          "stopped by the bench) and report loaded / quiet throughput")

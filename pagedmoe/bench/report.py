@@ -107,6 +107,10 @@ def vllm_lines(results: dict) -> str:
     if len(ours.get("repeats_output_tok_s", [])) > 1:
         lines.append("every run, out tok/s: pagedmoe " + _runs(ours) + "; " + "; ".join(
             f"vllm {name} {_runs(row)}" for name, row in vllm["bindings"].items()))
+    if "paired_ratios" in vllm:
+        lines.append("interleaved pairs, pagedmoe / vllm: " + "; ".join(
+            f"{name} " + " / ".join(f"{r:.2f}" for r in ratios) for name, ratios in vllm["paired_ratios"].items())
+            + f"; median pair on the worse binding {results['ratio_vs_vllm_paired']:.2f}x")
     return "\n".join(lines)
 
 

@@ -5,6 +5,8 @@ digest of the prompts it ran, which must equal this side's: the same token ids r
 import contextlib
 import json
 import os
+import select
+import statistics
 import subprocess
 import tempfile
 import time
@@ -51,30 +53,104 @@ def vllm_request(model_dir: str, dtype: str, workload: list[BenchRequest], args)
             "prompts": [r.prompt_token_ids for r in workload], "output_lens": [r.output_len for r in workload]}
 
 
-def run_driver(python: str, request: dict, env: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        req_path, res_path = Path(tmp, "request.json"), Path(tmp, "result.json")
+class VllmDriver:
+    """vllm_driver.py started in vLLM's venv with one thread binding and kept started: `run()` runs the
+    workload once more. Its log goes to a temporary file, printed if it fails or falls silent."""
+
+    def __init__(self, python: str, request: dict, env: dict, timeout: float):
+        self.timeout, self.tmp = timeout, tempfile.TemporaryDirectory()
+        req_path, self.log = Path(self.tmp.name, "request.json"), tempfile.TemporaryFile("w+")
         req_path.write_text(json.dumps(request | {"launch_time": time.time()}))
-        proc = subprocess.run([python, str(DRIVER), str(req_path), str(res_path)], env=env, timeout=timeout,
-                              capture_output=True, text=True)
-        if proc.returncode != 0 or not res_path.exists():
-            raise RuntimeError(f"vllm baseline failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(res_path.read_text())
+        self.process = subprocess.Popen([python, str(DRIVER), str(req_path)], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.startup_to_first_token_s = None
+
+    def wait_started(self) -> None:
+        self.startup_to_first_token_s = self._reply()["startup_to_first_token_s"]
+
+    def run(self) -> dict:
+        with contextlib.suppress(BrokenPipeError):  # a driver that died is reported by _reply
+            self.process.stdin.write("run\n")
+            self.process.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            from pagedmoe.bench.server import stop_process
+            stop_process(self.process, 5)
+            self.log.seek(0)
+            raise RuntimeError(f"vllm baseline failed or fell silent for {self.timeout:.0f} s (exit "
+                               f"{self.process.returncode}):\n{self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """EOF on its stdin ends the driver; one that does not end in 30 s is stopped."""
+        from pagedmoe.bench.server import stop_process
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            stop_process(self.process, 30)
+        self.tmp.cleanup()
+        self.log.close()
 
 
-def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args) -> dict:
+@contextlib.contextmanager
+def vllm_driver(python: str, request: dict, env: dict, timeout: float):
+    driver = VllmDriver(python, request, env, timeout)
+    try:
+        driver.wait_started()
+        yield driver
+    finally:
+        driver.close()
+
+
+def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args, between=None) -> dict:
+    """vLLM's runs, per binding after one start-up. `between`, if given, runs after each vLLM run (pagedmoe's
+    run, for --interleave) and its rows come back under "between", per binding."""
     python, request = check_vllm_python(args.vllm_python), vllm_request(model_dir, dtype, workload, args)
-    expected = workload_digest(request["prompts"], request["output_lens"])
-    runs = {}
+    runs, between_rows = {}, {}
     for name, binding in thread_bindings().items():
-        result = run_driver(python, request, vllm_env(python, binding), args.vllm_timeout)
-        if result["workload_digest"] != expected:
-            raise RuntimeError("vllm baseline: vLLM ran other prompts than the workload's")
-        row = figures("vllm", workload, result["elapsed_s"], result["generated"])
-        runs[name] = row | {"binding": binding, "startup_to_first_token_s": result["startup_to_first_token_s"],
-                            "repeats_output_tok_s": [row["output_tokens"] / s for s in result["repeats_elapsed_s"]]}
+        with vllm_driver(python, request, vllm_env(python, binding), args.vllm_timeout) as driver:
+            results, between_rows[name] = [], []
+            for _ in range(args.repeats):
+                results.append(checked_run(driver, request))
+                between_rows[name] += [between()] if between else []
+        runs[name] = binding_row(workload, binding, driver.startup_to_first_token_s, results)
     best = max(runs.values(), key=lambda row: row["output_tok_s"])
-    return best | {"bindings": runs, "vllm_python": python}
+    return best | {"bindings": runs, "vllm_python": python} | ({"between": between_rows} if between else {})
+
+
+def checked_run(driver: VllmDriver, request: dict) -> dict:
+    result = driver.run()
+    if result["workload_digest"] != workload_digest(request["prompts"], request["output_lens"]):
+        raise RuntimeError("vllm baseline: vLLM ran other prompts than the workload's")
+    return result
+
+
+def binding_row(workload: list[BenchRequest], binding: str, startup_s: float, results: list[dict]) -> dict:
+    """The binding's fastest run, with every run's output tok/s beside it."""
+    rows = [figures("vllm", workload, r["elapsed_s"], r["generated"]) for r in results]
+    best = max(rows, key=lambda row: row["output_tok_s"])
+    return best | {"binding": binding, "startup_to_first_token_s": startup_s,
+                   "repeats_output_tok_s": [row["output_tok_s"] for row in rows]}
+
+
+def interleaved_runs(model_dir: str, dtype: str, workload: list[BenchRequest], args, run_ours) -> dict:
+    """vLLM's runs with one of pagedmoe's (run_ours) right after each: pagedmoe's row is its fastest run; each
+    pair's ratio is kept, and ratio_vs_vllm_paired is the median pair's, on the binding where it is lowest."""
+    vllm = vllm_baseline(model_dir, dtype, workload, args, between=run_ours)
+    ours_runs = vllm.pop("between")
+    pairs = {name: [ours["output_tok_s"] / theirs for ours, theirs in zip(ours_runs[name], row["repeats_output_tok_s"])]
+             for name, row in vllm["bindings"].items()}
+    every = [row for rows in ours_runs.values() for row in rows]
+    ours = max(every, key=lambda row: row["output_tok_s"])
+    return {"pagedmoe": ours | {"repeats_output_tok_s": [row["output_tok_s"] for row in every]},
+            "vllm": vllm | {"paired_ratios": pairs},
+            "ratio_vs_vllm_paired": min(statistics.median(ratios) for ratios in pairs.values())}
 
 
 def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, args) -> list[str]:

@@ -12,7 +12,7 @@ from pagedmoe.bench.vllm_peer import check_vllm_python, thread_bindings
 from pagedmoe.entrypoints.cli import main as cli_main
 
 FAKE_VLLM = """
-import json, os
+import json, os, time
 class SamplingParams:
     def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
         self.max_tokens = max_tokens
@@ -22,9 +22,17 @@ class _Output:
     def __init__(self, prompt, n): self.prompt_token_ids, self.outputs = prompt, [_Completion(n)]
 class LLM:
     def __init__(self, **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError("fake vllm: no engine today")
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"kwargs": kwargs, "bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}) + "\\n")
     def generate(self, prompts, params, use_tqdm=True):
+        if len(prompts) > 1 and os.environ.get("FAKE_VLLM_HANG"):
+            time.sleep(60)
+        if "FAKE_ORDER_LOG" in os.environ and len(prompts) > 1:
+            with open(os.environ["FAKE_ORDER_LOG"], "a") as f:
+                f.write("vllm\\n")
+        print("a vLLM log line on stdout")
         drop = int(os.environ.get("FAKE_VLLM_DROP_TOKEN", "0"))
         params = params if isinstance(params, list) else [params] * len(prompts)
         return [_Output(p["prompt_token_ids"][drop:], s.max_tokens) for p, s in zip(prompts, params)]
@@ -87,6 +95,48 @@ def test_other_prompts_reaching_vllm_fail_the_run(dense_model, tmp_path, fake_vl
     monkeypatch.setenv("FAKE_VLLM_DROP_TOKEN", "1")
     with pytest.raises(RuntimeError, match="other prompts"):
         cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python", sys.executable))
+
+
+def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(dense_model, tmp_path, fake_vllm,
+                                                                          monkeypatch, capsys):
+    import pagedmoe.bench.throughput as throughput
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_ORDER_LOG", str(order))
+    ours = throughput.pagedmoe_throughput
+
+    def logged(*args):
+        with open(order, "a") as f:
+            f.write("pagedmoe\n")
+        return ours(*args)
+    monkeypatch.setattr(throughput, "pagedmoe_throughput", logged)
+    out = tmp_path / "bench.json"
+    cli_main(bench_args(dense_model[0], out, "--baseline", "vllm", "--vllm-python", sys.executable,
+                        "--repeats", "2", "--interleave"))
+    assert order.read_text().split() == ["vllm", "pagedmoe"] * 4  # two pairs per binding
+    assert len(fake_vllm.read_text().splitlines()) == 2  # vLLM started once per binding
+    results = json.loads(out.read_text())
+    ours_runs, vllm = results["pagedmoe"]["repeats_output_tok_s"], results["vllm"]
+    assert len(ours_runs) == 4 and results["pagedmoe"]["output_tok_s"] == max(ours_runs)
+    pairs = vllm["paired_ratios"]
+    assert pairs["auto"] == pytest.approx([o / v for o, v in zip(ours_runs[:2],
+                                                                  vllm["bindings"]["auto"]["repeats_output_tok_s"])])
+    assert results["ratio_vs_vllm_paired"] == pytest.approx(min(sum(r) / 2 for r in pairs.values()))
+    assert "median pair on the worse binding" in capsys.readouterr().out
+
+
+def test_interleave_needs_the_vllm_baseline(dense_model, tmp_path):
+    with pytest.raises(ValueError, match="--interleave"):
+        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--interleave"))
+
+
+@pytest.mark.parametrize("failure", ["FAKE_VLLM_FAIL", "FAKE_VLLM_HANG"])
+def test_a_vllm_that_fails_or_falls_silent_is_reported_not_waited_on(dense_model, tmp_path, fake_vllm,
+                                                                      monkeypatch, failure):
+    monkeypatch.setenv(failure, "1")
+    with pytest.raises(RuntimeError, match="vllm baseline failed or fell silent") as error:
+        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python",
+                            sys.executable, "--vllm-timeout", "5"))
+    assert failure != "FAKE_VLLM_FAIL" or "no engine today" in str(error.value)
 
 
 def test_vllm_python_is_required_and_checked_before_any_run(dense_model, tmp_path):
