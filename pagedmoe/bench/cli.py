@@ -2,9 +2,11 @@
 shared by all."""
 import argparse
 import asyncio
+import contextlib
 import functools
 import importlib
 import sys
+import time
 
 from pagedmoe.bench.workload import add_workload_args
 from pagedmoe.entrypoints.cli import DEFAULT_MODEL, add_engine_args, engine_kwargs
@@ -195,13 +197,18 @@ def _serve(args):
     if "vllm" in args.baseline:
         from pagedmoe.bench.vllm_peer import check_vllm_python
         check_vllm_python(args.vllm_python)
+    elif args.interleave:
+        raise ValueError("--interleave runs each rate on pagedmoe and on vLLM in turn: it needs --baseline vllm")
     workloads = _serve_workloads(args)
     results = {"command": "pagedmoe bench serve", "args": args_json(args), "env": env(),
                "workload": [workload_summary(w) for w in workloads]}
-    results |= _sweep_server(server_for(args, engine_kwargs(args)), args, workloads)
+    if args.interleave:
+        results |= _interleaved_serve(args, workloads)
+    else:
+        results |= _sweep_server(server_for(args, engine_kwargs(args)), args, workloads)
+        results |= {"vllm": _vllm_serve(args, workloads)} if "vllm" in args.baseline else {}
     print(serve_table(results["rates"]))
     if "vllm" in args.baseline:
-        results["vllm"] = _vllm_serve(args, workloads)
         print(f"vllm (binding {results['vllm']['binding']!r}):\n{serve_table(results['vllm']['rates'])}")
     if args.plot:
         plot_serve(results["rates"], args.plot)
@@ -209,29 +216,60 @@ def _serve(args):
     return results
 
 
-def _sweep_server(server, args, workloads) -> dict:
-    """Start-up (launch to the warm-up's first token), then the rate sweep, against one server."""
-    import time
-
-    from pagedmoe.bench.serve import served_model, sweep, warm_up
+def _start_server(stack: contextlib.ExitStack, server, args, workloads) -> dict:
+    """Enters `server` on the stack and warms it: its URL, model and start-up (launch to the warm-up's first
+    token)."""
+    from pagedmoe.bench.serve import served_model, warm_up
     launched = time.monotonic()
-    with server as url:
-        model = args.served_model_name or served_model(url)
-        asyncio.run(warm_up(url, model, workloads[0][0], args.request_timeout))
-        startup = None if args.url else time.monotonic() - launched
-        swept = asyncio.run(sweep(url, model, workloads, args.request_rate, args.workload_seed,
-                                  args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
-    return {"url": url, "startup_to_first_token_s": startup} | swept
+    url = stack.enter_context(server)
+    model = args.served_model_name or served_model(url)
+    asyncio.run(warm_up(url, model, workloads[0][0], args.request_timeout))
+    return {"url": url, "model": model, "startup_to_first_token_s": None if args.url else time.monotonic() - launched}
+
+
+def _sweep_server(server, args, workloads) -> dict:
+    """Start-up, then the rate sweep, against one server."""
+    from pagedmoe.bench.serve import sweep
+    with contextlib.ExitStack() as stack:
+        started = _start_server(stack, server, args, workloads)
+        swept = asyncio.run(sweep(started["url"], started.pop("model"), workloads, args.request_rate,
+                                  args.workload_seed, args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
+    return started | swept
+
+
+def _interleaved_serve(args, workloads) -> dict:
+    """pagedmoe's server and vLLM's, one per binding, started one after the other (each start-up alone), then
+    each rate run on every server before the next rate."""
+    from pagedmoe.bench.serve import interleaved_sweep
+    from pagedmoe.bench.server import server_for
+    servers = {"pagedmoe": (None, server_for(args, engine_kwargs(args)))} | _vllm_servers(args)
+    with contextlib.ExitStack() as stack:
+        started = {name: _start_server(stack, server, args, workloads) for name, (_, server) in servers.items()}
+        targets = {name: (row["url"], row.pop("model")) for name, row in started.items()}
+        swept = asyncio.run(interleaved_sweep(targets, workloads, args.request_rate, args.workload_seed,
+                                              args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
+    vllm = {name: started[name] | swept[name] | {"binding": binding} for name, (binding, _) in servers.items()
+            if name != "pagedmoe"}
+    return started["pagedmoe"] | swept["pagedmoe"] | {"vllm": _best_binding(vllm)}
+
+
+def _vllm_servers(args) -> dict:
+    """name -> (binding, a `vllm serve` context manager) per thread binding; none starts before it is entered."""
+    from pagedmoe.bench.vllm_peer import thread_bindings, vllm_server
+    from transformers import AutoConfig
+    dtype = args.dtype if args.dtype != "auto" else str(AutoConfig.from_pretrained(args.model).dtype or "float32")
+    return {name: (binding, vllm_server(args.vllm_python, args.model, dtype.removeprefix("torch."), binding, args))
+            for name, binding in thread_bindings().items()}
 
 
 def _vllm_serve(args, workloads) -> dict:
     """`vllm serve` under the same arrivals, once per thread binding; the better binding's figures on top."""
-    from pagedmoe.bench.vllm_peer import best_serve_binding, thread_bindings, vllm_server
-    from transformers import AutoConfig
-    dtype = args.dtype if args.dtype != "auto" else str(AutoConfig.from_pretrained(args.model).dtype or "float32")
-    bindings = {name: _sweep_server(vllm_server(args.vllm_python, args.model, dtype.removeprefix("torch."),
-                                                binding, args), args, workloads) | {"binding": binding}
-                for name, binding in thread_bindings().items()}
+    return _best_binding({name: _sweep_server(server, args, workloads) | {"binding": binding}
+                          for name, (binding, server) in _vllm_servers(args).items()})
+
+
+def _best_binding(bindings: dict[str, dict]) -> dict:
+    from pagedmoe.bench.vllm_peer import best_serve_binding
     best = best_serve_binding(bindings)
     return bindings[best] | {"bindings": {n: {k: v for k, v in b.items() if k != "requests"}
                                           for n, b in bindings.items()}}
@@ -324,6 +362,9 @@ def _add_serve(sub):
                     help="vllm: `vllm serve` from --vllm-python under the same arrivals, both thread bindings")
     sv.add_argument("--vllm-python", default=None, help="vllm baseline: vLLM's interpreter (its own venv)")
     sv.add_argument("--vllm-timeout", type=float, default=900, help="vllm baseline: seconds to come up")
+    sv.add_argument("--interleave", action="store_true", help="vllm baseline: start pagedmoe's server and vLLM's "
+                    "(both bindings) side by side and run each rate on every one of them before the next rate, so "
+                    "that the host's drift falls on all alike")
     sv.add_argument("--plot", default=None, help="PNG of latency and throughput against the request rate")
     sv.add_argument("--output-json", default=None)
     add_engine_args(sv)

@@ -144,12 +144,23 @@ async def sweep(url: str, model: str | None, workloads: list[list[BenchRequest]]
                 slo_ttft: float | None, slo_itl: float | None, timeout: float, request_timeout: float) -> dict:
     """Every rate in turn, each with its own prompts (no prefix-cache hits from an earlier rate), within one
     global `timeout` in seconds."""
-    deadline, rows, raw = time.monotonic() + timeout, [], {}
+    return (await interleaved_sweep({"": (url, model)}, workloads, rates, seed, slo_ttft, slo_itl, timeout,
+                                    request_timeout))[""]
+
+
+async def interleaved_sweep(targets: dict[str, tuple[str, str | None]], workloads: list[list[BenchRequest]],
+                            rates: list[float], seed: int, slo_ttft: float | None, slo_itl: float | None,
+                            timeout: float, request_timeout: float) -> dict[str, dict]:
+    """sweep() on several servers (name -> (url, model)): each rate runs on every server before the next rate,
+    so that the host's drift falls on all of them alike."""
+    deadline = time.monotonic() + timeout
+    swept = {name: {"rates": [], "requests": {}} for name in targets}
     for rate, workload in zip(rates, workloads):
-        results, duration = await run_rate(url, model, workload, rate, seed, deadline, request_timeout)
-        rows.append(rate_figures(rate, results, duration, slo_ttft, slo_itl))
-        raw[str(rate)] = [asdict(r) for r in results]
-    return {"rates": rows, "requests": raw}
+        for name, (url, model) in targets.items():
+            results, duration = await run_rate(url, model, workload, rate, seed, deadline, request_timeout)
+            swept[name]["rates"].append(rate_figures(rate, results, duration, slo_ttft, slo_itl))
+            swept[name]["requests"][str(rate)] = [asdict(r) for r in results]
+    return swept
 
 
 def served_model(url: str) -> str | None:

@@ -206,3 +206,41 @@ def test_vllm_serve_baseline_runs_the_same_arrivals_per_binding(text_model, tmp_
         assert (row["completed"], row["failed"]) == (3, 0), row["errors"]
     assert vllm["rates"][0]["output_tokens"] == results["rates"][0]["output_tokens"]
     assert results["startup_to_first_token_s"] > 0 and vllm["startup_to_first_token_s"] > 0
+
+
+def test_interleaved_sweep_runs_each_rate_on_every_server_before_the_next(monkeypatch):
+    import asyncio
+
+    import pagedmoe.bench.serve as serve
+    calls = []
+
+    async def fake_run_rate(url, model, workload, rate, seed, deadline, request_timeout):
+        calls.append((rate, url, model, workload))
+        return [serve.RequestResult(ok=True, ttft_s=0.1, e2e_s=0.4, itl_s=[0.1] * 3, output_tokens=4)], 2.0
+    monkeypatch.setattr(serve, "run_rate", fake_run_rate)
+    targets = {"pagedmoe": ("http://a", "m"), "auto": ("http://b", "n")}
+    swept = asyncio.run(serve.interleaved_sweep(targets, [["w0"], ["w1"]], [0.5, 2.0], 0, None, None, 60, 60))
+    assert calls == [(0.5, "http://a", "m", ["w0"]), (0.5, "http://b", "n", ["w0"]),
+                     (2.0, "http://a", "m", ["w1"]), (2.0, "http://b", "n", ["w1"])]
+    assert [row["request_rate"] for row in swept["auto"]["rates"]] == [0.5, 2.0]
+    assert swept["pagedmoe"]["rates"][1]["output_tok_s"] == 2.0 and set(swept["pagedmoe"]["requests"]) == {"0.5", "2.0"}
+
+
+def test_vllm_serve_interleaved_keeps_every_server_up_through_the_sweep(text_model, tmp_path, fake_vllm):
+    server_dir = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    server_dir.mkdir(parents=True)
+    (server_dir / "api_server.py").write_text(textwrap.dedent(FAKE_API_SERVER))
+    out = tmp_path / "serve.json"
+    cli_main(["bench", "serve", "--model", text_model[0], "--server", "inprocess", "--num-prompts", "3",
+              "--input-len", "4-12", "--output-len", "3-6", "--request-rate", "inf", "8", "--dtype", "float32",
+              "--num-kv-blocks", "64", "--max-num-seqs", "8", "--timeout", "120", "--baseline", "vllm",
+              "--vllm-python", sys.executable, "--interleave", "--output-json", str(out)])
+    results = json.loads(out.read_text())
+    vllm = results["vllm"]
+    assert set(vllm["bindings"]) == {"auto", "all-cores"} and len(fake_vllm.read_text().splitlines()) == 2
+    for row in [*results["rates"], *vllm["rates"], *vllm["bindings"]["auto"]["rates"]]:
+        assert (row["completed"], row["failed"]) == (3, 0), row["errors"]
+    assert [r["output_tokens"] for r in vllm["rates"]] == [r["output_tokens"] for r in results["rates"]]
+    assert results["startup_to_first_token_s"] > 0 and vllm["startup_to_first_token_s"] > 0
+    with pytest.raises(ValueError, match="--interleave"):
+        cli_main(["bench", "serve", "--model", text_model[0], "--interleave"])
