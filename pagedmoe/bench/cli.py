@@ -247,7 +247,8 @@ def _interleaved_serve(args, workloads) -> dict:
         started = {name: _start_server(stack, server, args, workloads) for name, (_, server) in servers.items()}
         targets = {name: (row["url"], row.pop("model")) for name, row in started.items()}
         swept = asyncio.run(interleaved_sweep(targets, workloads, args.request_rate, args.workload_seed,
-                                              args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout))
+                                              args.slo_ttft, args.slo_itl, args.timeout, args.request_timeout,
+                                              args.settle_timeout))
     vllm = {name: started[name] | swept[name] | {"binding": binding} for name, (binding, _) in servers.items()
             if name != "pagedmoe"}
     return started["pagedmoe"] | swept["pagedmoe"] | {"vllm": _best_binding(vllm)}
@@ -325,6 +326,7 @@ def _add_throughput(sub):
     tp.add_argument("--interleave", action="store_true", help="vllm baseline: keep vLLM started between its "
                     "runs and run pagedmoe right after each of them (--repeats pairs per binding), so that the "
                     "host's drift falls on both engines alike; reports each pair's ratio and their median")
+    _add_settle_timeout(tp)
     tp.add_argument("--background-load", type=int, default=0, metavar="N",
                     help="run the workload again with N busy-looping processes beside the engine (started and "
                          "stopped by the bench) and report loaded / quiet throughput")
@@ -365,10 +367,17 @@ def _add_serve(sub):
     sv.add_argument("--interleave", action="store_true", help="vllm baseline: start pagedmoe's server and vLLM's "
                     "(both bindings) side by side and run each rate on every one of them before the next rate, so "
                     "that the host's drift falls on all alike")
+    _add_settle_timeout(sv)
     sv.add_argument("--plot", default=None, help="PNG of latency and throughput against the request rate")
     sv.add_argument("--output-json", default=None)
     add_engine_args(sv)
     sv.set_defaults(func=_serve)
+
+
+def _add_settle_timeout(parser):
+    parser.add_argument("--settle-timeout", type=float, default=10.0, help="with --interleave: before each "
+                        "engine's turn, wait up to this many seconds for the CPUs to go quiet (at most 25%% busy "
+                        "for 1 s): vLLM keeps a core busy for about a second after its last request")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
+from pagedmoe.bench.quiet import wait_for_quiet_cpus
 from pagedmoe.bench.steps import percentile
 from pagedmoe.bench.workload import BenchRequest
 
@@ -150,13 +151,15 @@ async def sweep(url: str, model: str | None, workloads: list[list[BenchRequest]]
 
 async def interleaved_sweep(targets: dict[str, tuple[str, str | None]], workloads: list[list[BenchRequest]],
                             rates: list[float], seed: int, slo_ttft: float | None, slo_itl: float | None,
-                            timeout: float, request_timeout: float) -> dict[str, dict]:
+                            timeout: float, request_timeout: float, settle_timeout: float = 0.0) -> dict[str, dict]:
     """sweep() on several servers (name -> (url, model)): each rate runs on every server before the next rate,
-    so that the host's drift falls on all of them alike."""
+    so that the host's drift falls on all of them alike; before each turn, up to settle_timeout seconds for
+    the CPUs to go quiet after the last one."""
     deadline = time.monotonic() + timeout
     swept = {name: {"rates": [], "requests": {}} for name in targets}
     for rate, workload in zip(rates, workloads):
         for name, (url, model) in targets.items():
+            wait_for_quiet_cpus(settle_timeout)
             results, duration = await run_rate(url, model, workload, rate, seed, deadline, request_timeout)
             swept[name]["rates"].append(rate_figures(rate, results, duration, slo_ttft, slo_itl))
             swept[name]["requests"][str(rate)] = [asdict(r) for r in results]

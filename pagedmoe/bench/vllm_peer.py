@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from pagedmoe.bench.baselines import figures
+from pagedmoe.bench.quiet import wait_for_quiet_cpus
 from pagedmoe.bench.vllm_driver import workload_digest
 from pagedmoe.bench.workload import BenchRequest
 from pagedmoe.worker.cpu_threads import allowed_cpus
@@ -117,15 +118,21 @@ def vllm_baseline(model_dir: str, dtype: str, workload: list[BenchRequest], args
         with vllm_driver(python, request, vllm_env(python, binding), args.vllm_timeout) as driver:
             results, between_rows[name] = [], []
             for _ in range(args.repeats):
-                results.append(checked_run(driver, request))
-                between_rows[name] += [between()] if between else []
+                results.append(checked_run(driver, request, args.settle_timeout if between else 0.0))
+                between_rows[name] += [settled(between, args.settle_timeout)] if between else []
         runs[name] = binding_row(workload, binding, driver.startup_to_first_token_s, results)
     best = max(runs.values(), key=lambda row: row["output_tok_s"])
     return best | {"bindings": runs, "vllm_python": python} | ({"between": between_rows} if between else {})
 
 
-def checked_run(driver: VllmDriver, request: dict) -> dict:
-    result = driver.run()
+def settled(run, settle_timeout: float):
+    """run() once the CPUs are quiet (or settle_timeout seconds passed)."""
+    wait_for_quiet_cpus(settle_timeout)
+    return run()
+
+
+def checked_run(driver: VllmDriver, request: dict, settle_timeout: float) -> dict:
+    result = settled(driver.run, settle_timeout)
     if result["workload_digest"] != workload_digest(request["prompts"], request["output_lens"]):
         raise RuntimeError("vllm baseline: vLLM ran other prompts than the workload's")
     return result

@@ -111,7 +111,7 @@ def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(dense
     monkeypatch.setattr(throughput, "pagedmoe_throughput", logged)
     out = tmp_path / "bench.json"
     cli_main(bench_args(dense_model[0], out, "--baseline", "vllm", "--vllm-python", sys.executable,
-                        "--repeats", "2", "--interleave"))
+                        "--repeats", "2", "--interleave", "--settle-timeout", "0.5"))
     assert order.read_text().split() == ["vllm", "pagedmoe"] * 4  # two pairs per binding
     assert len(fake_vllm.read_text().splitlines()) == 2  # vLLM started once per binding
     results = json.loads(out.read_text())
@@ -234,7 +234,7 @@ def test_vllm_serve_interleaved_keeps_every_server_up_through_the_sweep(text_mod
     cli_main(["bench", "serve", "--model", text_model[0], "--server", "inprocess", "--num-prompts", "3",
               "--input-len", "4-12", "--output-len", "3-6", "--request-rate", "inf", "8", "--dtype", "float32",
               "--num-kv-blocks", "64", "--max-num-seqs", "8", "--timeout", "120", "--baseline", "vllm",
-              "--vllm-python", sys.executable, "--interleave", "--output-json", str(out)])
+              "--vllm-python", sys.executable, "--interleave", "--settle-timeout", "0.5", "--output-json", str(out)])
     results = json.loads(out.read_text())
     vllm = results["vllm"]
     assert set(vllm["bindings"]) == {"auto", "all-cores"} and len(fake_vllm.read_text().splitlines()) == 2
@@ -244,3 +244,22 @@ def test_vllm_serve_interleaved_keeps_every_server_up_through_the_sweep(text_mod
     assert results["startup_to_first_token_s"] > 0 and vllm["startup_to_first_token_s"] > 0
     with pytest.raises(ValueError, match="--interleave"):
         cli_main(["bench", "serve", "--model", text_model[0], "--interleave"])
+
+
+def test_quiet_cpus_are_waited_for_until_a_second_in_a_row_is_quiet(monkeypatch):
+    import pagedmoe.bench.quiet as quiet
+    monkeypatch.setattr(quiet.time, "sleep", lambda s: None)
+    busy_per_window = iter([100, 60, 10, 10, 90, 10, 10, 10, 10, 100])  # of 100 ticks a window
+    state = {"busy": 0, "total": 0}
+
+    def ticks():
+        state["busy"] += next(busy_per_window)
+        state["total"] += 100
+        return state["busy"], state["total"]
+    quiet.wait_for_quiet_cpus(60, ticks=ticks)
+    assert next(busy_per_window) == 100  # four quiet windows after the 90 ended it, not the two before
+    state.update(busy=0, total=0)
+    always_busy = iter(range(10 ** 6))
+    assert quiet.wait_for_quiet_cpus(0.01, ticks=lambda: (next(always_busy) * 100, next(always_busy) * 100)) >= 0.01
+    assert quiet.wait_for_quiet_cpus(60, ticks=lambda: None) < 1  # no /proc/stat: no wait
+    assert quiet.cpu_ticks() is None or quiet.cpu_ticks()[1] >= quiet.cpu_ticks()[0] > 0

@@ -1,0 +1,29 @@
+"""Waiting for the host's CPUs to go quiet before an engine's turn in an interleaved bench. vLLM's CPU engine
+keeps a core busy for about a second after its last request (measured on Zen 1 with `vllm serve`: one process
+at a full core for 1.0-1.25 s); without the wait, that second lands on the engine that runs next."""
+import time
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat; None where there is no /proc/stat.
+    Busy is user, nice, system, irq and softirq: neither idle, iowait nor steal (other tenants' time)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = user + nice + system + irq + softirq
+    return busy, busy + idle + iowait + steal
+
+
+def wait_for_quiet_cpus(timeout_s: float, max_busy: float = 0.25, quiet_s: float = 1.0, window_s: float = 0.25,
+                        ticks=cpu_ticks) -> float:
+    """Blocks until the CPUs were at most `max_busy` busy for `quiet_s` in a row, or `timeout_s` passed;
+    returns the seconds it waited."""
+    start, num_quiet, last = time.monotonic(), 0, ticks()
+    while last is not None and num_quiet * window_s < quiet_s and time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        now = ticks()
+        busy = (now[0] - last[0]) / max(now[1] - last[1], 1)
+        num_quiet, last = num_quiet + 1 if busy <= max_busy else 0, now
+    return time.monotonic() - start
