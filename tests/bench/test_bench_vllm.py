@@ -97,7 +97,7 @@ def test_other_prompts_reaching_vllm_fail_the_run(dense_model, tmp_path, fake_vl
         cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python", sys.executable))
 
 
-def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(dense_model, tmp_path, fake_vllm,
+def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(text_model, tmp_path, fake_vllm,
                                                                           monkeypatch, capsys):
     import pagedmoe.bench.throughput as throughput
     order = tmp_path / "order.log"
@@ -110,7 +110,7 @@ def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(dense
         return ours(*args)
     monkeypatch.setattr(throughput, "pagedmoe_throughput", logged)
     out = tmp_path / "bench.json"
-    cli_main(bench_args(dense_model[0], out, "--baseline", "vllm", "--vllm-python", sys.executable,
+    cli_main(bench_args(text_model[0], out, "--baseline", "vllm", "--vllm-python", sys.executable,
                         "--repeats", "2", "--interleave", "--settle-timeout", "0.5"))
     assert order.read_text().split() == ["vllm", "pagedmoe"] * 4  # two pairs per binding
     assert len(fake_vllm.read_text().splitlines()) == 2  # vLLM started once per binding
@@ -124,18 +124,18 @@ def test_interleave_alternates_the_engines_runs_and_keeps_each_pairs_ratio(dense
     assert "median pair on the worse binding" in capsys.readouterr().out
 
 
-def test_interleave_needs_the_vllm_baseline(dense_model, tmp_path):
+def test_interleave_needs_the_vllm_baseline(text_model, tmp_path):
     with pytest.raises(ValueError, match="--interleave"):
-        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--interleave"))
+        cli_main(bench_args(text_model[0], tmp_path / "b.json", "--interleave"))
 
 
 @pytest.mark.parametrize("failure", ["FAKE_VLLM_FAIL", "FAKE_VLLM_HANG"])
-def test_a_vllm_that_fails_or_falls_silent_is_reported_not_waited_on(dense_model, tmp_path, fake_vllm,
+def test_a_vllm_that_fails_or_falls_silent_is_reported_not_waited_on(text_model, tmp_path, fake_vllm,
                                                                       monkeypatch, failure):
     monkeypatch.setenv(failure, "1")
     with pytest.raises(RuntimeError, match="vllm baseline failed or fell silent") as error:
-        cli_main(bench_args(dense_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python",
-                            sys.executable, "--vllm-timeout", "5"))
+        cli_main(bench_args(text_model[0], tmp_path / "b.json", "--baseline", "vllm", "--vllm-python",
+                            sys.executable, "--vllm-timeout", "3"))
     assert failure != "FAKE_VLLM_FAIL" or "no engine today" in str(error.value)
 
 
