@@ -52,6 +52,10 @@ def decode_bandwidth(steps: dict, counts: ModelFlops, element_size: int, peak_by
 def best_of_repeats(run, repeats: int) -> dict:
     """The fastest of `repeats` runs (the machine's speed drifts between minutes), with every run's output
     tok/s beside it."""
-    runs = [run() for _ in range(repeats)]
+    return fastest([run() for _ in range(repeats)])
+
+
+def fastest(runs: list[dict]) -> dict:
+    """The run with the most output tok/s, with every run's output tok/s beside it."""
     best = max(runs, key=lambda row: row["output_tok_s"])
     return best | {"repeats_output_tok_s": [row["output_tok_s"] for row in runs]}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pagedmoe.bench.baselines import figures
 from pagedmoe.bench.quiet import wait_for_quiet_cpus
+from pagedmoe.bench.throughput import fastest
 from pagedmoe.bench.vllm_driver import workload_digest
 from pagedmoe.bench.workload import BenchRequest
 from pagedmoe.worker.cpu_threads import allowed_cpus
@@ -141,9 +142,7 @@ def checked_run(driver: VllmDriver, request: dict, settle_timeout: float) -> dic
 def binding_row(workload: list[BenchRequest], binding: str, startup_s: float, results: list[dict]) -> dict:
     """The binding's fastest run, with every run's output tok/s beside it."""
     rows = [figures("vllm", workload, r["elapsed_s"], r["generated"]) for r in results]
-    best = max(rows, key=lambda row: row["output_tok_s"])
-    return best | {"binding": binding, "startup_to_first_token_s": startup_s,
-                   "repeats_output_tok_s": [row["output_tok_s"] for row in rows]}
+    return fastest(rows) | {"binding": binding, "startup_to_first_token_s": startup_s}
 
 
 def interleaved_runs(model_dir: str, dtype: str, workload: list[BenchRequest], args, run_ours) -> dict:
@@ -153,9 +152,7 @@ def interleaved_runs(model_dir: str, dtype: str, workload: list[BenchRequest], a
     ours_runs = vllm.pop("between")
     pairs = {name: [ours["output_tok_s"] / theirs for ours, theirs in zip(ours_runs[name], row["repeats_output_tok_s"])]
              for name, row in vllm["bindings"].items()}
-    every = [row for rows in ours_runs.values() for row in rows]
-    ours = max(every, key=lambda row: row["output_tok_s"])
-    return {"pagedmoe": ours | {"repeats_output_tok_s": [row["output_tok_s"] for row in every]},
+    return {"pagedmoe": fastest([row for rows in ours_runs.values() for row in rows]),
             "vllm": vllm | {"paired_ratios": pairs},
             "ratio_vs_vllm_paired": min(statistics.median(ratios) for ratios in pairs.values())}
 
