@@ -109,3 +109,24 @@ def test_delta_tracker_never_streams_text_a_stop_string_later_removes():
     assert [d.text if d else None for d in sent] == ["ab", "c", "", None]
     assert sent[2].finish_reason == "stop" and (sent[1].token_start, sent[1].token_end) == (1, 2)
     assert stop_holdback("END", include_stop_str_in_output=True) == 0 and stop_holdback(None, False) == 0
+
+
+def test_an_idle_engine_keeps_its_snapshot_and_only_moves_its_time(engine, monkeypatch):
+    import pagedmoe.engine.async_engine as async_engine
+    taken = []
+    take = async_engine.take_snapshot
+    monkeypatch.setattr(async_engine, "take_snapshot", lambda e: taken.append(1) or take(e))
+    client = AsyncLLMEngine(engine, snapshot_interval=0.01).start()
+
+    async def idle_then_serve():
+        first, num_taken = client.snapshot.time, len(taken)  # the constructor takes the first
+        await asyncio.sleep(0.3)
+        assert client.snapshot.time > first and len(taken) == num_taken
+        stream = await client.add_request("r", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+        async for _ in stream:
+            pass
+        await asyncio.to_thread(wait_until, lambda: client.snapshot.stats.num_finished_requests == 1, 5, "stale")
+        return num_taken
+    num_taken_idle = run(client, idle_then_serve())
+    assert len(taken) > num_taken_idle
+    assert_all_blocks_free(engine)
