@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -62,3 +63,34 @@ def test_not_adaptive_keeps_max_threads():
     governor = ThreadGovernor(2, adaptive=False, interval=0.0)
     governor.update()
     assert governor.num_threads == 2 == torch.get_num_threads()
+
+
+@linux_only
+@pytest.mark.skipif(len(cpu_threads.allowed_cpus()) < 2, reason="one core: one thread whatever the neighbours")
+def test_a_neighbour_gone_while_idle_leaves_every_thread():
+    """The first step after an idle spell runs on the load of the last interval, not on the average since the
+    step before (which would count neighbours that have stopped)."""
+    num_cpus = len(cpu_threads.allowed_cpus())
+    governor = ThreadGovernor(num_cpus, interval=0.2)
+    neighbours = [subprocess.Popen([sys.executable, "-c", BUSY, "20"]) for _ in range(num_cpus)]
+    try:
+        time.sleep(1.5)
+        noticed = governor.advised_threads
+    finally:
+        for process in neighbours:
+            process.kill()
+            process.wait()
+    time.sleep(0.7)
+    governor.update()
+    assert noticed == 1 and governor.num_threads == num_cpus == torch.get_num_threads()
+
+
+def test_a_dropped_governor_stops_its_sampling_thread():
+    governor = ThreadGovernor(2, interval=0.05)
+    watchers = lambda: [t for t in threading.enumerate() if t.name == "thread-governor"]  # noqa: E731
+    assert len(watchers()) >= 1 or not governor.adaptive
+    del governor
+    deadline = time.monotonic() + 5
+    while watchers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not watchers()

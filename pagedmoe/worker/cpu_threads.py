@@ -6,10 +6,14 @@ engine, one thread shares its core and the scheduler runs it in time slices of m
 while a single thread ran at about half speed. The governor measures, every `interval` seconds, how many
 of this process's allowed cores other processes (or the hypervisor: steal time) used, and runs the model
 on the cores left, never more than `max_threads`: a neighbour then costs about the cores it takes.
+It measures on a thread of its own, so that an engine idle while a neighbour ran and stopped does not start
+its next step from that stale average (at one thread: a prompt then took 1.5x as long).
 Linux only (/proc); elsewhere the thread count stays at `max_threads`.
 """
 import os
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,16 +68,19 @@ def own_ticks() -> int | None:
 
 
 class ThreadGovernor:
-    """Call `update()` once per step: every `interval` seconds it sets torch's thread count to the cores
-    that other processes left free in the last interval (at least 1, at most max_threads)."""
+    """Call `update()` once per step: it sets torch's thread count (a setting of the calling thread) to the
+    cores that other processes left free in the last `interval` seconds (at least 1, at most max_threads),
+    as the governor's sampling thread last measured them."""
 
     def __init__(self, max_threads: int, adaptive: bool = True, interval: float = 0.5):
         self.max_threads, self.interval = max_threads, interval
         self.cpus = allowed_cpus()
-        self.num_threads = max_threads
+        self.num_threads = self.advised_threads = max_threads
         torch.set_num_threads(max_threads)
         self.adaptive = adaptive and busy_ticks(self.cpus) is not None and own_ticks() is not None
-        self._last = self._sample() if self.adaptive else None
+        if self.adaptive:
+            threading.Thread(target=_watch, args=(weakref.ref(self), self._sample(), interval), daemon=True,
+                             name="thread-governor").start()
 
     def _sample(self) -> tuple[float, int, int]:
         return time.monotonic(), busy_ticks(self.cpus), own_ticks()
@@ -90,11 +97,19 @@ class ThreadGovernor:
         return max(1, min(self.max_threads, int(free + 0.25)))
 
     def update(self):
-        if not self.adaptive or time.monotonic() - self._last[0] < self.interval:
-            return
-        now = self._sample()
-        threads = self.threads_for(self.neighbour_cores(self._last, now))
-        self._last = now
+        threads = self.advised_threads
         if threads != self.num_threads:
             torch.set_num_threads(threads)
             self.num_threads = threads
+
+
+def _watch(governor_ref: weakref.ref, last: tuple[float, int, int], interval: float):
+    """Samples every interval while the governor lives (a weak reference: a dropped engine ends it)."""
+    while True:
+        time.sleep(interval)
+        governor = governor_ref()
+        if governor is None:
+            return
+        now = governor._sample()
+        governor.advised_threads = governor.threads_for(governor.neighbour_cores(last, now))
+        last, governor = now, None
