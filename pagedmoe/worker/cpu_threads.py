@@ -6,20 +6,23 @@ engine, one thread shares its core and the scheduler runs it in time slices of m
 while a single thread ran at about half speed. The governor measures, every `interval` seconds, how many
 of this process's allowed cores other processes (or the hypervisor: steal time) used, and runs the model
 on the cores left, never more than `max_threads`: a neighbour then costs about the cores it takes.
-It measures on a thread of its own, so that an engine idle while a neighbour ran and stopped does not start
-its next step from that stale average (at one thread: a prompt then took 1.5x as long).
+The process's one sampling thread keeps the last seconds of samples, so that an engine idle while a neighbour
+ran and stopped starts its next step from the last interval, not from the idle spell's average (at one
+thread: a prompt then took 1.5x as long).
 Linux only (/proc); elsewhere the thread count stays at `max_threads`.
 """
 import os
+import collections
+import functools
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import torch
 
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat cpu columns: user nice system irq softirq steal
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+SAMPLE_SECONDS, HISTORY_SECONDS = 0.1, 5.0
 
 
 def allowed_cpus() -> set[int]:
@@ -46,16 +49,22 @@ def default_num_threads(serving: bool = False) -> int:
 
 def busy_ticks(cpus: set[int]) -> int | None:
     """Clock ticks the given CPUs spent busy (any process, plus steal) since boot; None off Linux."""
+    per_cpu = cpu_busy_ticks()
+    return None if per_cpu is None else sum(ticks for cpu, ticks in per_cpu.items() if cpu in cpus)
+
+
+def cpu_busy_ticks() -> dict[int, int] | None:
+    """Each CPU's busy clock ticks since boot; None off Linux."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
-    total = 0
+    per_cpu = {}
     for line in lines:
         name, *values = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            total += sum(int(values[i]) for i in BUSY_FIELDS if i < len(values))
-    return total
+        if name.startswith("cpu") and name[3:].isdigit():
+            per_cpu[int(name[3:])] = sum(int(values[i]) for i in BUSY_FIELDS if i < len(values))
+    return per_cpu
 
 
 def own_ticks() -> int | None:
@@ -67,23 +76,50 @@ def own_ticks() -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
+class LoadHistory:
+    """Samples (time, each CPU's busy ticks, this process's ticks) every SAMPLE_SECONDS on one daemon thread
+    per process, idle or not, and keeps the last HISTORY_SECONDS of them."""
+
+    def __init__(self):
+        self.samples = collections.deque([self._sample()], maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
+        threading.Thread(target=self._run, daemon=True, name="cpu-load-sampler").start()
+
+    @staticmethod
+    def _sample() -> tuple[float, dict[int, int], int]:
+        return time.monotonic(), cpu_busy_ticks(), own_ticks()
+
+    def _run(self):
+        while True:
+            time.sleep(SAMPLE_SECONDS)
+            self.samples.append(self._sample())
+
+    def window(self, seconds: float) -> tuple[tuple, tuple] | None:
+        """The newest sample and the newest one at least `seconds` before it; None until there is one."""
+        samples = list(self.samples)
+        newest = samples[-1]
+        for sample in reversed(samples[:-1]):
+            if newest[0] - sample[0] >= seconds:
+                return sample, newest
+        return None
+
+
+@functools.cache
+def load_history() -> LoadHistory:
+    return LoadHistory()
+
+
 class ThreadGovernor:
     """Call `update()` once per step: it sets torch's thread count (a setting of the calling thread) to the
-    cores that other processes left free in the last `interval` seconds (at least 1, at most max_threads),
-    as the governor's sampling thread last measured them."""
+    cores that other processes left free in the last `interval` seconds (at least 1, at most max_threads)."""
 
     def __init__(self, max_threads: int, adaptive: bool = True, interval: float = 0.5):
         self.max_threads, self.interval = max_threads, interval
         self.cpus = allowed_cpus()
-        self.num_threads = self.advised_threads = max_threads
+        self.num_threads = max_threads
         torch.set_num_threads(max_threads)
         self.adaptive = adaptive and busy_ticks(self.cpus) is not None and own_ticks() is not None
         if self.adaptive:
-            threading.Thread(target=_watch, args=(weakref.ref(self), self._sample(), interval), daemon=True,
-                             name="thread-governor").start()
-
-    def _sample(self) -> tuple[float, int, int]:
-        return time.monotonic(), busy_ticks(self.cpus), own_ticks()
+            load_history()
 
     def neighbour_cores(self, last: tuple[float, int, int], now: tuple[float, int, int]) -> float:
         seconds = now[0] - last[0]
@@ -96,20 +132,16 @@ class ThreadGovernor:
         free = len(self.cpus) - neighbour_cores
         return max(1, min(self.max_threads, int(free + 0.25)))
 
+    def advised_threads(self) -> int:
+        """The threads the last interval's neighbours leave (the current count while there is no interval)."""
+        window = load_history().window(self.interval) if self.adaptive else None
+        if window is None:
+            return self.num_threads
+        last, now = ((t, sum(busy[c] for c in self.cpus), own) for t, busy, own in window)
+        return self.threads_for(self.neighbour_cores(last, now))
+
     def update(self):
-        threads = self.advised_threads
+        threads = self.advised_threads()
         if threads != self.num_threads:
             torch.set_num_threads(threads)
             self.num_threads = threads
-
-
-def _watch(governor_ref: weakref.ref, last: tuple[float, int, int], interval: float):
-    """Samples every interval while the governor lives (a weak reference: a dropped engine ends it)."""
-    while True:
-        time.sleep(interval)
-        governor = governor_ref()
-        if governor is None:
-            return
-        now = governor._sample()
-        governor.advised_threads = governor.threads_for(governor.neighbour_cores(last, now))
-        last, governor = now, None
