@@ -3,15 +3,16 @@ keeps a core busy for about a second after its last request (measured on Zen 1 w
 at a full core for 1.0-1.25 s); without the wait, that second lands on the engine that runs next."""
 import time
 
+from pagedmoe.worker.cpu_threads import proc_stat_cpus
+
 
 def cpu_ticks() -> tuple[int, int] | None:
     """(busy, total) clock ticks of all CPUs since boot, from /proc/stat; None where there is no /proc/stat.
     Busy is user, nice, system, irq and softirq: neither idle, iowait nor steal (other tenants' time)."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, idle, iowait, irq, softirq, steal = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
+    stat = proc_stat_cpus()
+    if stat is None or len(stat.get("cpu", ())) < 8:
         return None
+    user, nice, system, idle, iowait, irq, softirq, steal = stat["cpu"][:8]
     busy = user + nice + system + irq + softirq
     return busy, busy + idle + iowait + steal
 

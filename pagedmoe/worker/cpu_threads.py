@@ -11,9 +11,9 @@ ran and stopped starts its next step from the last interval, not from the idle s
 thread: a prompt then took 1.5x as long).
 Linux only (/proc); elsewhere the thread count stays at `max_threads`.
 """
-import os
 import collections
 import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -55,16 +55,20 @@ def busy_ticks(cpus: set[int]) -> int | None:
 
 def cpu_busy_ticks() -> dict[int, int] | None:
     """Each CPU's busy clock ticks since boot; None off Linux."""
+    stat = proc_stat_cpus()
+    if stat is None:
+        return None
+    return {int(name[3:]): sum(ticks[i] for i in BUSY_FIELDS if i < len(ticks))
+            for name, ticks in stat.items() if name[3:].isdigit()}
+
+
+def proc_stat_cpus() -> dict[str, list[int]] | None:
+    """/proc/stat's cpu lines, name ('cpu' for all CPUs, 'cpuN' for one) -> its tick columns; None off Linux."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
-    per_cpu = {}
-    for line in lines:
-        name, *values = line.split()
-        if name.startswith("cpu") and name[3:].isdigit():
-            per_cpu[int(name[3:])] = sum(int(values[i]) for i in BUSY_FIELDS if i < len(values))
-    return per_cpu
+    return {name: [int(v) for v in values] for name, *values in map(str.split, lines) if name.startswith("cpu")}
 
 
 def own_ticks() -> int | None:
