@@ -24,8 +24,10 @@ constexpr int VLEN = 8, MAX_ROWS = 6;  // 12 accumulators of 16 registers
 #endif
 constexpr int NV = 2, PANEL = NV * VLEN, HALF = PANEL / 2;
 // The hardware prefetcher alone leaves the stream at half the memory bandwidth once a tile has 4+ rows of
-// FMAs per weight; prefetching 16 KB ahead into L2 (measured: 8-32 KB similar) keeps it near the peak.
-constexpr int64_t PREFETCH_BYTES = 16 * 1024;
+// FMAs per weight; prefetching ahead into L2 keeps it near the peak. 16 KB ahead where AVX-512 runs (measured:
+// 8-32 KB similar); 4 KB on AVX2, where 16 KB was 1-5% slower at 1-20 rows on a Zen 1 EPYC (1-8 KB alike,
+// 64 KB slower still).
+constexpr int64_t PREFETCH_BYTES = VLEN == 16 ? 16 * 1024 : 4 * 1024;
 
 // Prefetches into L2 the bytes the tile will read PREFETCH_BYTES after the bytes at p.
 inline void prefetch_ahead(const void *p, int bytes) {
