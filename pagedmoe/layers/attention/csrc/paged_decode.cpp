@@ -198,7 +198,7 @@ void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t 
     }
 }
 
-// Vectors of accumulators a values sweep keeps in registers, with one for V and one for a probability.
+// Vectors of accumulators a values sweep keeps in registers, beside one for V and one per head's probability.
 constexpr int SUM_VECTORS = VLEN == 16 ? 16 : 12;
 
 // The widest slice of a head, in vectors, whose HEADS heads' sums fit SUM_VECTORS (a divisor of N).
@@ -219,10 +219,12 @@ void values_sweep(const float *probs, int64_t stride, const T *v_head, const int
     RowWalk<T> rows(v_head, table, first, len, s);
     for (int64_t t = 0; t < len - first; t++) {
         const T *row = rows.next() + n0 * VLEN;
-        fvec v[SLICE];
-        for (int n = 0; n < SLICE; n++) v[n] = load(row + n * VLEN);
-        for (int g = 0; g < HEADS; g++)
-            for (int n = 0; n < SLICE; n++) sum[g][n] += probs[g * stride + t] * v[n];
+        fvec p[HEADS];
+        for (int g = 0; g < HEADS; g++) p[g] = fvec{} + probs[g * stride + t];
+        for (int n = 0; n < SLICE; n++) {  // one V vector live at a time, not SLICE: the sums stay in registers
+            const fvec v = load(row + n * VLEN);
+            for (int g = 0; g < HEADS; g++) sum[g][n] += p[g] * v;
+        }
     }
     for (int g = 0; g < HEADS; g++)
         for (int n = 0; n < SLICE; n++) tile_gemm::store_vec(acc + (g * N + n0 + n) * VLEN, sum[g][n]);
