@@ -4,7 +4,8 @@ models at decode-sized row counts (oneDNN's packed GEMM, MKL on the plain weight
 `--layers` copies so they come from memory, as in a decode step; each figure is the best of `--iters`,
 the paths interleaved so drift hits them alike. The MoE stack's "layer" path is FusedMoE as the engine runs
 it with the kernels attached (the fused kernel, AMX per expert or oneDNN by batch size). Decode attention:
-the paged kernel over `--layers` caches of the 100M models' shape (4 KV heads of 64, 3 query heads each).
+the paged kernel over `--layers` caches of the 100M models' shape (4 KV heads of 64, 3 query heads each), each
+sequence's blocks scattered, at adjacent ids, and on the same 4 blocks (in L2): memory against arithmetic.
 Prefill attention: one sequence's `--prefill-lens` positions, the context gather + causal SDPA that the
 PyTorch backend runs against the prefill kernel (layers/attention/cpu_prefill.py)."""
 # Not bench/kernels.py: vllm_driver.py runs from this folder, and transformers imports a package named "kernels".
@@ -124,15 +125,24 @@ def attention_problem(dtype, num_seqs: int, context: int, layers: int, block_siz
     return torch.randn(num_seqs, 12, 64, generator=g).to(dtype), caches, tables, seq_lens
 
 
+def block_placements(tables: torch.Tensor, resident_blocks: int = 4) -> dict[str, torch.Tensor]:
+    """The same contexts at three places in the cache: scattered block ids ("kernel", as a busy pool leaves
+    them), each sequence's blocks at adjacent ids, and every sequence on the same few blocks, so that the KV
+    stays in L2: how much of the kernel's time is memory and how much its arithmetic."""
+    ids = torch.arange(tables.numel()).view_as(tables)
+    return {"kernel": tables, "adjacent": ids.contiguous(), "in_l2": (ids % resident_blocks).contiguous()}
+
+
 def bench_attention(dtype: torch.dtype, batches: list[int], context: int, layers: int, iters: int) -> list[dict]:
     kernel, results = PagedDecodeKernel(dtype), []
     for num_seqs in batches:
         q, caches, tables, seq_lens = attention_problem(dtype, num_seqs, context, layers)
-        seconds = best_of({"kernel": lambda: [kernel(q, c, tables, seq_lens, 0.125) for c in caches]}, iters)
-        per_layer = seconds["kernel"] / layers
+        fns = {name: (lambda t=t: [kernel(q, c, t, seq_lens, 0.125) for c in caches])
+               for name, t in block_placements(tables).items()}
+        per_layer = {name: s / layers * 1e3 for name, s in best_of(fns, iters).items()}
         kv_bytes = 2 * 4 * 64 * int(seq_lens.sum()) * caches[0].element_size()
-        results.append({"op": "attention", "seqs": num_seqs, "context": context, "kernel": per_layer * 1e3,
-                        "kv_gb_per_s": kv_bytes / per_layer / 1e9})
+        results.append({"op": "attention", "seqs": num_seqs, "context": context, **per_layer,
+                        "kv_gb_per_s": kv_bytes / per_layer["kernel"] * 1e3 / 1e9})
     return results
 
 
@@ -174,9 +184,9 @@ def format_lines(result: dict) -> list[str]:
                      "  all-expert GB/s")
         lines += [f"  tokens {r['tokens']:>4}  {cell(r, 'onednn', 37, 2)} {r['loop']:>8.2f} {r['kernel']:>8.2f}"
                   f" {r['layer']:>8.2f} {r['kernel_gb_per_s']:>10.1f}" for r in part["moe"]]
-        lines.append(f"{dtype} decode attention per layer, ms:                    kernel  KV GB/s")
-        lines += [f"  seqs {r['seqs']:>4} context <= {r['context']:<5} {r['kernel']:>30.3f} {r['kv_gb_per_s']:>8.1f}"
-                  for r in part["attention"]]
+        lines.append(f"{dtype} decode attention per layer, ms, blocks:      scattered adjacent    in L2  KV GB/s")
+        lines += [f"  seqs {r['seqs']:>4} context <= {r['context']:<5} {r['kernel']:>21.3f} {r['adjacent']:>8.3f}"
+                  f" {r['in_l2']:>8.3f} {r['kv_gb_per_s']:>8.1f}" for r in part["attention"]]
         lines.append(f"{dtype} prefill attention per layer (one sequence), ms:      sdpa   kernel  kernel GFLOP/s")
         lines += [f"  len {r['len']:>5} {r['sdpa']:>44.3f} {r['kernel']:>8.3f} {r['kernel_gflops']:>10.0f}"
                   for r in part["prefill_attention"]]
