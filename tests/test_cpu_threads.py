@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pagedmoe.worker import cpu_threads
-from pagedmoe.worker.cpu_threads import ThreadGovernor, busy_ticks, default_num_threads, num_physical_cores
+from pagedmoe.worker.cpu_threads import ThreadGovernor, cpu_busy_ticks, default_num_threads, num_physical_cores
 
 BUSY = "import time, sys\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end: pass"
-linux_only = pytest.mark.skipif(busy_ticks({0}) is None, reason="needs Linux /proc/stat")
+linux_only = pytest.mark.skipif(cpu_busy_ticks() is None, reason="needs Linux /proc/stat")
 
 
 @pytest.fixture(autouse=True)

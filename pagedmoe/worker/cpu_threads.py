@@ -47,14 +47,8 @@ def default_num_threads(serving: bool = False) -> int:
     return cores - 1 if serving and cores > 2 else cores
 
 
-def busy_ticks(cpus: set[int]) -> int | None:
-    """Clock ticks the given CPUs spent busy (any process, plus steal) since boot; None off Linux."""
-    per_cpu = cpu_busy_ticks()
-    return None if per_cpu is None else sum(ticks for cpu, ticks in per_cpu.items() if cpu in cpus)
-
-
 def cpu_busy_ticks() -> dict[int, int] | None:
-    """Each CPU's busy clock ticks since boot; None off Linux."""
+    """Each CPU's busy clock ticks (any process, plus steal) since boot; None off Linux."""
     stat = proc_stat_cpus()
     if stat is None:
         return None
@@ -121,7 +115,7 @@ class ThreadGovernor:
         self.cpus = allowed_cpus()
         self.num_threads = max_threads
         torch.set_num_threads(max_threads)
-        self.adaptive = adaptive and busy_ticks(self.cpus) is not None and own_ticks() is not None
+        self.adaptive = adaptive and cpu_busy_ticks() is not None and own_ticks() is not None
         if self.adaptive:
             load_history()
 
