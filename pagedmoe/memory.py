@@ -44,6 +44,13 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     return _huge_view(torch.frombuffer(mapping, dtype=torch.uint8), shape, dtype)
 
 
+def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of tensor, on huge pages where the platform allows: for weights that every decode step
+    streams from memory (the packed tile-kernel weights). Their 4 KB pages cost a TLB miss every 4 KB of the
+    stream; on 2 MB pages a float32 linear at 4-8 rows ran 1.11-1.14x faster (AVX2 EPYC, Zen 1)."""
+    return zeros_huge(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

@@ -7,7 +7,7 @@ import torch
 
 import resource
 
-from pagedmoe.memory import HUGE_PAGE, empty_huge, freeze_startup_heap, keep_freed_memory, zeros_huge
+from pagedmoe.memory import HUGE_PAGE, empty_huge, freeze_startup_heap, huge_copy, keep_freed_memory, zeros_huge
 
 
 def test_small_tensors_are_plain():
@@ -71,3 +71,12 @@ def test_the_startup_heap_is_collected_then_frozen():
         assert garbage() is None and gc.get_freeze_count() > 0 and gc.get_count()[2] == 0
     finally:
         gc.unfreeze()
+
+
+def test_huge_copy_is_an_equal_contiguous_copy_on_huge_pages():
+    source = torch.randn(HUGE_PAGE // 256, 300).t()  # a strided view
+    copy = huge_copy(source)
+    assert copy.is_contiguous() and torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()
+    if sys.platform.startswith("linux"):
+        assert copy.data_ptr() % HUGE_PAGE == 0
+

@@ -11,6 +11,7 @@ from torch import Tensor
 from pagedmoe.cpu_info import cpu_flags, kernels_take_every_size
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
+from pagedmoe.memory import huge_copy
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
@@ -58,7 +59,7 @@ def in_k_pairs(packed: Tensor) -> Tensor:
 
 def pack_for(library: ctypes.CDLL, weight: Tensor, panel: int, gated: bool = False) -> Tensor:
     packed = (pack_gate_up if gated else pack_panels)(weight.detach(), panel)
-    return in_k_pairs(packed) if weight.dtype == torch.bfloat16 and library.linear_bf16_pairs() else packed
+    return huge_copy(in_k_pairs(packed) if weight.dtype == torch.bfloat16 and library.linear_bf16_pairs() else packed)
 
 
 def unsupported_reason(weight: Tensor, panel: int) -> str | None:

@@ -1,5 +1,7 @@
 """The CPU tile-GEMM linear (layers/csrc/linear.cpp) against F.linear in float64, built for each x86-64 level
 this CPU runs (AVX2, AVX-512) and natively (with avx512_bf16's pair dot products where the CPU has them)."""
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from pagedmoe import cpu_info
 from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.cpu_linear import CpuLinear
 from pagedmoe.layers.linear import GateUpLinear, Linear, attach_cpu_kernels
+from pagedmoe.memory import HUGE_PAGE
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -151,3 +154,11 @@ def test_row_limit_follows_the_cpu(monkeypatch, vendor, flags, dtype, every_size
         attached = attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1
         assert (attached and layer.cpu_kernel.fits(x)) == every_size
         torch.testing.assert_close(layer(x).double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages: Linux anonymous mappings")
+@pytest.mark.parametrize("gated", [False, True])
+def test_packed_weights_start_on_a_huge_page(gated):
+    """Every decode step streams them from memory: on 4 KB pages each 4 KB of the stream was a TLB miss."""
+    kernel = CpuLinear(torch.randn(1024, 768), gated=gated)  # 3 MiB
+    assert kernel.weight.data_ptr() % HUGE_PAGE == 0

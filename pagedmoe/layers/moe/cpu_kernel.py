@@ -13,6 +13,7 @@ from pagedmoe.cpu_info import cpu_flags, kernels_take_every_size
 from pagedmoe.layers import cpu_build
 from pagedmoe.layers.cpu_build import num_threads, ptr
 from pagedmoe.layers.cpu_linear import ANY_ROWS, in_k_pairs, pack_gate_up, pack_panels
+from pagedmoe.memory import huge_copy
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_moe.cpp"
 ENTRY_POINTS = {torch.float32: "fused_moe_f32", torch.bfloat16: "fused_moe_bf16"}
@@ -89,7 +90,7 @@ class CpuFusedMoE:
 
     def pack(self, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
         w13, w2 = pack_gate_up(w13, self.panel), pack_panels(w2, self.panel)
-        return (in_k_pairs(w13), in_k_pairs(w2)) if self.pairs else (w13, w2)
+        return tuple(huge_copy(in_k_pairs(w) if self.pairs else w) for w in (w13, w2))
 
     def pack_bias(self, w13_bias: Tensor) -> Tensor:
         return pack_gate_up(w13_bias.float()[..., None], self.panel).flatten(1)
