@@ -8,6 +8,7 @@ import torch
 import resource
 
 from pagedmoe.memory import HUGE_PAGE, empty_huge, freeze_startup_heap, huge_copy, keep_freed_memory, zeros_huge
+from pagedmoe.worker.kv_cache import KVCacheStorage
 
 
 def test_small_tensors_are_plain():
@@ -80,3 +81,20 @@ def test_huge_copy_is_an_equal_contiguous_copy_on_huge_pages():
     if sys.platform.startswith("linux"):
         assert copy.data_ptr() % HUGE_PAGE == 0
 
+
+def small_kv_pool(num_blocks: int) -> KVCacheStorage:  # 64 KiB a block: 2 layers, K and V, 4 heads of 64
+    return KVCacheStorage(2, 2, (4, 64), num_blocks, 1, 16, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and anonymous mappings")
+def test_prefault_makes_the_first_blocks_resident_and_leaves_them_zero():
+    pool = small_kv_pool(1024)  # 64 MiB, lazily zeroed
+    before = resident_bytes()
+    assert pool.prefault(0) == 0 and resident_bytes() - before < 4 << 20
+    assert pool.prefault(16 << 20) == 256
+    assert resident_bytes() - before >= 15 << 20
+    assert pool.device_cache[:, :, :256].abs().sum().item() == 0
+
+
+def test_prefault_stops_at_the_pool_size():
+    assert small_kv_pool(8).prefault(1 << 30) == 8

@@ -29,6 +29,18 @@ class KVCacheStorage:
             self.host_cache = zeros_huge(host_shape, dtype)
         self.disk_dir = tempfile.mkdtemp(prefix="kv-", dir=disk_dir) if disk_dir is not None else None
 
+    def prefault(self, num_bytes: int) -> int:
+        """Writes the first blocks of the CPU pool, up to num_bytes in all, and returns how many: the block pool
+        hands out the lowest ids first, so the first steps find their pages resident. The pool is a lazily
+        zeroed mapping (zeros_huge), and a throughput run paid its first touches inside its steps: 0.7-1.2 s
+        of a 49 s run on an AVX2 EPYC VM."""
+        cache = self.device_cache
+        if cache.device.type != "cpu" or num_bytes <= 0:
+            return 0
+        num_blocks = min(cache.shape[2], num_bytes // (cache[:, :, 0].numel() * cache.element_size()))
+        cache[:, :, :num_blocks].zero_()
+        return num_blocks
+
     def apply(self, transfers: BlockTransfers):
         device, host = self.device_cache, self.host_cache
         for host_id, block_hash in transfers.spill:

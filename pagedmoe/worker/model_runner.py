@@ -81,6 +81,7 @@ class ModelRunner:
         self.num_kv_layers = max(self.layer_slots) + 1 if self.layer_slots else config.hf_config.num_hidden_layers
         self.num_blocks, self.num_host_blocks = self._num_blocks()
         self.kv_cache = self._kv_storage(config)
+        self.kv_cache.prefault(config.kv_prefault_memory)
         if self.triton_attention:
             from pagedmoe.layers.attention.triton_cache_ops import copy_blocks
             self.kv_cache.copy_kernel = copy_blocks
