@@ -55,9 +55,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cpu_linear_kernel: bool = True  # CPU: decode-sized float32 linears run on a C++ tile GEMM (built on first use)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
-    # CPU: bytes of the KV blocks handed out first that start-up writes once, so that the first steps do not each
-    # wait for the kernel to zero fresh pages (about 1 GiB/s on the VMs measured); 0: none
-    kv_prefault_memory: int = 1 << 30
+    # CPU: bytes of the KV pool (the blocks handed out first) that start-up writes once, so that steps do not wait
+    # for the kernel to zero fresh pages (about 1 GiB/s on the VMs measured); None: the whole pool, as vLLM's
+    # zeroed cache; 0: none (pages are zeroed on first use)
+    kv_prefault_memory: int | None = None
     speculative_config: dict | str | SpeculativeConfig | None = None  # as vLLM's (spec_decode/config.py)
     quantization_mode: str = "packed"  # 4-bit checkpoints on CPU: "packed" (kept 4-bit) or "dequantize" (exact)
     quantization: str | None = None  # as vLLM's: the method the checkpoint must be in (mxfp4, modelopt_fp4, fp8)

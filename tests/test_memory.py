@@ -96,5 +96,6 @@ def test_prefault_makes_the_first_blocks_resident_and_leaves_them_zero():
     assert pool.device_cache[:, :, :256].abs().sum().item() == 0
 
 
-def test_prefault_stops_at_the_pool_size():
+def test_prefault_stops_at_the_pool_size_and_takes_all_of_it_by_default():
     assert small_kv_pool(8).prefault(1 << 30) == 8
+    assert small_kv_pool(24).prefault() == 24
