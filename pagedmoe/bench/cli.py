@@ -78,9 +78,10 @@ def _pagedmoe_runs(args, llm, workload, counts) -> dict:
 
 
 def _print_throughput(results: dict, args):
-    from pagedmoe.bench.report import roofline_lines, throughput_table
+    from pagedmoe.bench.report import decode_batch_line, roofline_lines, throughput_table
     print(throughput_table(results, ["pagedmoe", *args.baseline]))
     print(roofline_lines(results["roofline"]))
+    print(decode_batch_line(results["pagedmoe"]["steps"]["decode_by_batch"]))
     if args.background_load:
         from pagedmoe.bench.background import loaded_line
         print(loaded_line(results["background_load"]))

@@ -56,6 +56,12 @@ def roofline_lines(roof: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_batch_line(rows: list[dict]) -> str:
+    parts = [f"{r['min_seqs']}-{r['max_seqs']}: {r['num_steps']} steps, {r['total_s']:.2f} s, "
+             f"{r['total_s'] / r['tokens'] * 1e3:.2f} ms a token" for r in rows]
+    return "  decode by sequences a step: " + "; ".join(parts).replace("65-1073741824", "65+")
+
+
 def _bandwidth_line(b: dict, read: dict) -> str:
     return (f"  decode memory: read {b['bytes'] / 1e9:.1f} GB (weights {b['weight_bytes'] / 1e9:.1f}, KV "
             f"{b['kv_bytes'] / 1e9:.1f}) in {b['elapsed_s']:.3f} s = {b['achieved_bytes_s'] / 1e9:.1f} GB/s, "

@@ -55,6 +55,10 @@ def test_throughput_roofline_and_decode_steps(dense_model, tmp_path):
     assert memory["kv_bytes"] == steps["decode_context_tokens"] * results["model_flops"]["kv_values_per_token"] * 4
     assert memory["bytes"] / memory["elapsed_s"] == pytest.approx(memory["achieved_bytes_s"])
     assert 0 < memory["bandwidth_pct"] and roof["peak"]["read"]["peak_bytes_s"] > 0
+    by_batch = steps["decode_by_batch"]  # every decode step in exactly one bucket
+    assert sum(row["num_steps"] for row in by_batch) == steps["num_decode_steps"]
+    assert sum(row["tokens"] for row in by_batch) == steps["decode_tokens"]
+    assert sum(row["total_s"] for row in by_batch) == pytest.approx(steps["decode_step_total_s"])
 
 
 def test_figures_count_useful_tokens_and_reject_short_outputs():
