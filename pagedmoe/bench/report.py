@@ -57,9 +57,9 @@ def roofline_lines(roof: dict) -> str:
 
 
 def decode_batch_line(rows: list[dict]) -> str:
-    parts = [f"{r['min_seqs']}-{r['max_seqs']}: {r['num_steps']} steps, {r['total_s']:.2f} s, "
-             f"{r['total_s'] / r['tokens'] * 1e3:.2f} ms a token" for r in rows]
-    return "  decode by sequences a step: " + "; ".join(parts).replace("65-1073741824", "65+")
+    parts = [f"{r['min_seqs']}{'+' if r['max_seqs'] is None else '-' + str(r['max_seqs'])}: {r['num_steps']} steps, "
+             f"{r['total_s']:.2f} s, {r['total_s'] / r['tokens'] * 1e3:.2f} ms a token" for r in rows]
+    return "  decode by sequences a step: " + "; ".join(parts)
 
 
 def _bandwidth_line(b: dict, read: dict) -> str:

@@ -34,14 +34,14 @@ def step_summary(records) -> dict:
             "decode_by_batch": decode_by_batch(decode)}
 
 
-BATCH_BUCKETS = ((1, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 1 << 30))
+BATCH_BUCKETS = ((1, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, None))  # None: no upper bound
 
 
 def decode_by_batch(decode) -> list[dict]:
     """The decode steps by how many sequences they ran: where a workload's small-batch tail spends its time."""
     rows = []
     for low, high in BATCH_BUCKETS:
-        if steps := [r for r in decode if low <= r.num_seqs <= high]:
+        if steps := [r for r in decode if low <= r.num_seqs and (high is None or r.num_seqs <= high)]:
             rows.append({"min_seqs": low, "max_seqs": high, "num_steps": len(steps),
                          "total_s": sum(r.step_s for r in steps), "tokens": sum(r.num_decode_tokens for r in steps),
                          "context_tokens": sum(r.context_tokens for r in steps)})
