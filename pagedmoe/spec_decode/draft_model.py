@@ -99,6 +99,7 @@ class DraftModelProposer:
         cfg = self.config
         self.kv_cache = KVCacheStorage(self.num_layers, self.num_kv_tensors, self.token_shape, num_blocks,
                                        num_host_blocks, cfg.block_size, cfg.torch_dtype, torch.device(cfg.device))
+        self.kv_cache.prefault(cfg.kv_prefault_memory)  # the target's blocks, block for block: the same first touches
         self.workspace = Workspace(cfg.torch_dtype, torch.device(cfg.device))
         self.decode_kernel = decode_kernel if self.num_kv_tensors != 1 else None  # none for MLA
 
