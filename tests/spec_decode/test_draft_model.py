@@ -11,6 +11,7 @@ from conftest import (VOCAB, assert_all_blocks_free, hf_greedy, make_prompts, sa
 from pagedmoe import LLM, SamplingParams
 from pagedmoe.spec_decode import draft_model, fused_drafters
 from pagedmoe.spec_decode.fused_drafters import FusedDraftModel
+from pagedmoe.worker.kv_cache import KVCacheStorage
 from test_spec_decode_engine import assert_drafts_accepted, copy_prompts, greedy_tokens, save_noisy_copy
 
 K, NUM_NEW = 3, 24
@@ -205,3 +206,13 @@ def test_drop_rows_keeps_the_rows_after_the_first_num_rows_as_one_chunk(num_rows
     kept = draft_model.drop_rows(chunks, num_rows)
     assert len(kept) <= 1
     assert torch.equal(torch.cat(kept) if kept else rows[6:], rows[num_rows:])
+
+
+def test_the_draft_pool_is_faulted_in_like_the_targets(models, monkeypatch):
+    """The drafter's KV holds the target's block ids block for block, so its pages are written at start too."""
+    calls = []
+    real = KVCacheStorage.prefault
+    monkeypatch.setattr(KVCacheStorage, "prefault", lambda self, n=None: calls.append((self, n)) or real(self, n))
+    llm = draft_llm(models[0], models[2], kv_prefault_memory=1 << 20)
+    pools = {id(llm.engine.runner.kv_cache): "target", id(llm.engine.runner.drafter.kv_cache): "draft"}
+    assert sorted((pools[id(pool)], n) for pool, n in calls) == [("draft", 1 << 20), ("target", 1 << 20)]
