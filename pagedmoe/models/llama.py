@@ -98,6 +98,7 @@ class DecoderForCausalLM(nn.Module):
     qk_norm: str | None = None
     attention_sinks = False
     takes_fp4_packed = True  # load_weight takes PackedFp4Weight for linear layers and experts
+    decode_stack = None  # CPU: every layer in one call for steps of decodes (layers/decode_stack.py)
     weight_renames: dict[str, str] = {}
 
     def __init__(self, config):
@@ -137,14 +138,23 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for index, layer in enumerate(self.layers):
-            if index in meta.aux_hidden_layers:
-                meta.aux_hidden.append(x)
-            x = layer(positions, x, meta, meta.output_rows if index == len(self.layers) - 1 else None)
+        stacked = self.decode_stack(positions, x, meta) if self.decode_stack is not None else None
+        x = stacked if stacked is not None else self._layers(positions, x, meta)
         x = self.norm(x)
         if len(self.layers) in meta.aux_hidden_layers:  # as HF's hidden_states[num_layers]: after the norm
             meta.aux_hidden.append(x)
         return x
+
+    def _layers(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            if index in meta.aux_hidden_layers:
+                meta.aux_hidden.append(x)
+            x = layer(positions, x, meta, meta.output_rows if index == len(self.layers) - 1 else None)
+        return x
+
+    def has_plain_layers(self) -> bool:
+        """Every layer a DecoderLayer with a dense MLP: what layers/decode_stack.py runs in one call."""
+        return all(type(layer) is DecoderLayer and type(layer.mlp) is MLP for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -7,6 +7,7 @@ import torch
 
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.attention.decode_block import attach_decode_blocks
+from pagedmoe.layers.decode_stack import attach_decode_stack
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.offload.setup import offload_experts
@@ -65,6 +66,7 @@ def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Modul
                 attach_cpu_kernels(model, {"moe"}, min_bytes=0)
             if config.cpu_attention_kernel and config.cpu_decode_block:
                 attach_decode_blocks(model)
+                attach_decode_stack(model)
         except RuntimeError as error:
             logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
     return model

@@ -51,6 +51,7 @@ def on_tile_kernels(llm: LLM, amx: bool = True) -> list:
             if layer.cpu_kernel.on_amx and not amx:
                 layer.cpu_kernel.on_amx, layer.cpu_kernel.fn = False, cpu_linear.load_library().linear_bf16
     assert attach_decode_blocks(model) == len(model.layers)
+    model.decode_stack = None  # these tests drive the blocks layer by layer (tests/layers/test_decode_stack.py)
     return list(model.layers)
 
 

@@ -3,8 +3,10 @@
 // post-attention RMSNorm. At one token a layer's Python and dispatch between these kernels took longer than
 // the kernels (about 100 us against 60 on gpt-oss-200m); here they run back to back. Each step is the very
 // kernel the layer's modules call one by one, in the same order, so the result is bit-identical to theirs.
-// Built and loaded by pagedmoe/layers/attention/decode_block.py.
+// decode_stack runs every layer of a dense model so, its MLP and residual add included, in one call.
+// Built and loaded by pagedmoe/layers/attention/decode_block.py (and layers/decode_stack.py).
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "../../csrc/amx_tile.h"
@@ -131,12 +133,57 @@ void decode_block(const Layer &l, const Step &s, const T *x, T *cache, T *out, T
     pointwise_kernel::rms_norm(out, (const T *)l.post_norm, normed, n, l.hidden, l.eps, num_threads);
 }
 
+// A dense gated MLP on the tile kernel: gate_up (gated: silu(gate) * up on the float32 tile), then down.
+struct Mlp {
+    Proj gate_up, down;
+    int64_t intermediate;
+};
+
+// x += down(silu(normed G^T) * (normed U^T)): the MLP module, then the layer's residual add in T.
+// scratch: tokens * (intermediate + hidden) elements.
+template <typename T>
+void mlp_block(const Mlp &m, const T *normed, T *x, T *scratch, int64_t n, int64_t hidden, int num_threads) {
+    T *gated = scratch, *down = scratch + n * m.intermediate;
+    const linear_kernel::Shape shape{n, m.intermediate, hidden};
+    const T *gate_up = (const T *)m.gate_up.weight;
+    if (m.gate_up.kind == 1)
+        linear_kernel::gated_linear<true>(normed, gate_up, gated, shape, num_threads);
+    else
+        linear_kernel::gated_linear<false>(normed, gate_up, gated, shape, num_threads);
+    project(m.down, (const T *)gated, down, nullptr, n, hidden, m.intermediate, num_threads);
+    for (int64_t i = 0; i < n * hidden; i++) store(x[i], to_float(x[i]) + to_float(down[i]));
+}
+
+// Every layer of a dense decoder, each its decode_block then its mlp_block; out: the last layer's output.
+// caches: each layer's KV cache. scratch: tokens * (2 * hidden + block_width + intermediate + hidden)
+// elements, block_width being decode_block's scratch per token; float_scratch as decode_block's.
+template <typename T>
+void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_t num_layers, const Step &s,
+                  const T *x, T *out, T *scratch, int64_t block_width, float *float_scratch, int num_threads) {
+    const int64_t n = s.tokens, hidden = layers[0].hidden;
+    T *current = out, *next = scratch, *normed = next + n * hidden, *block_scratch = normed + n * hidden;
+    T *mlp_scratch = block_scratch + n * block_width;
+    std::memcpy(current, x, sizeof(T) * n * hidden);
+    for (int64_t l = 0; l < num_layers; l++) {
+        decode_block(layers[l], s, current, caches[l], next, normed, block_scratch, float_scratch, num_threads);
+        mlp_block(mlps[l], normed, next, mlp_scratch, n, hidden, num_threads);
+        std::swap(current, next);
+    }
+    if (current != out) std::memcpy(out, current, sizeof(T) * n * hidden);
+}
+
 }  // namespace
 
 #define EXPORT(SUFFIX, T)                                                                                    \
     extern "C" void decode_block_##SUFFIX(const Layer *layer, const Step *step, const T *x, T *cache, T *out, \
                                          T *normed, T *scratch, float *float_scratch, int num_threads) {     \
         decode_block(*layer, *step, x, cache, out, normed, scratch, float_scratch, num_threads);             \
+    }                                                                                                         \
+    extern "C" void decode_stack_##SUFFIX(const Layer *layers, const Mlp *mlps, T *const *caches,              \
+                                         int64_t num_layers, const Step *step, const T *x, T *out, T *scratch, \
+                                         int64_t block_width, float *float_scratch, int num_threads) {       \
+        decode_stack(layers, mlps, caches, num_layers, *step, x, out, scratch, block_width, float_scratch,   \
+                     num_threads);                                                                         \
     }
 EXPORT(f32, float)
 EXPORT(bf16, BF16)

@@ -1,0 +1,155 @@
+"""The decode stack (layers/decode_stack.py): every layer of a dense model for a step of decodes in one C++ call
+must give bit-identical tokens and logprobs to the layers run one by one (through their decode blocks, or their
+modules), and match HF's greedy tokens in float32: Llama and Qwen3, float32 and bfloat16, on the AMX tiles and
+on the vector tiles. Where it does not apply the layers run: prefill steps, EAGLE-3's hidden states, the last
+layer's row selection, rows over a kernel's limit; models with MoE or sliding-window layers never take it."""
+import pytest
+import torch
+
+from conftest import MOE_COMMON, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from pagedmoe import LLM
+from pagedmoe.layers import cpu_linear
+from pagedmoe.layers.attention.metadata import MAX_SHORT_QUERY
+from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
+from pagedmoe.layers.decode_stack import DecodeStack, attach_decode_stack
+from test_decode_block import NUM_NEW, generate, on_tile_kernels
+
+import transformers
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def reference(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_random_model(tiny_dense_config(request.param), path, seed=3)
+    return str(path), model, make_prompts(6, seed=5, max_len=30)
+
+
+def stacked(llm: LLM, amx: bool = True):
+    """The model with its linears on the tile kernel at any row count (gate_up too: on_tile_kernels leaves it
+    to MKL), its decode blocks and its stack."""
+    on_tile_kernels(llm, amx)
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        gate_up = layer.mlp.gate_up_proj
+        gate_up.cpu_kernel = CpuLinear(gate_up.weight, max_rows=ANY_ROWS, gated=True)
+        if gate_up.cpu_kernel.on_amx and not amx:
+            gate_up.cpu_kernel.on_amx, gate_up.cpu_kernel.fn = False, cpu_linear.load_library().gated_linear_bf16
+    assert attach_decode_stack(model)
+    return model
+
+
+def count_calls(monkeypatch) -> list:
+    """Per call of the stack: the rows it ran, 0 where it stepped aside."""
+    rows, call = [], DecodeStack.__call__
+
+    def counted(self, positions, x, meta):
+        out = call(self, positions, x, meta)
+        rows.append(0 if out is None else x.shape[0])
+        return out
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    return rows
+
+
+@pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
+def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
+    path, _, prompts = reference
+    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
+    model = stacked(llm, amx)
+    rows = count_calls(monkeypatch)
+    fused = generate(llm, prompts)
+    assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)  # decodes in the stack, prefill steps not
+    model.decode_stack = None
+    assert generate(llm, prompts) == fused
+    for layer in model.layers:
+        layer.decode_block = None
+    assert generate(llm, prompts) == fused
+
+
+def test_the_stack_matches_hf_greedy(reference, monkeypatch):
+    path, model, prompts = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
+    stacked(llm)
+    rows = count_calls(monkeypatch)
+    tokens = [out[0] for out in generate(llm, prompts)]
+    assert any(rows)
+    assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+
+
+def test_the_stack_steps_aside_over_a_kernels_rows(reference, monkeypatch):
+    path, _, prompts = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
+    model = stacked(llm)
+    expected = generate(llm, prompts)
+    calls = []
+    model.decode_stack.fn = lambda *args: calls.append(args)
+    model.decode_stack.max_rows = len(prompts) - 1
+    rows = count_calls(monkeypatch)
+    assert generate(llm, prompts) == expected
+    assert calls == [] and max(rows) == 0
+
+
+@pytest.mark.parametrize("reason", ["aux hidden layers", "output rows", "prefill"])
+def test_the_stack_steps_aside_for_the_step(reference, reason):
+    """EAGLE-3 keeps some layers' inputs, and a step that reads only some rows selects them before the last
+    layer's MLP: the loop over the layers does both. A prefill over MAX_SHORT_QUERY tokens is no decode."""
+    path, _, _ = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    model = stacked(llm)
+    calls = []
+    model.decode_stack.fn = lambda *args: calls.append(args)
+    runner = llm.engine.runner
+    tokens = [list(range(1, MAX_SHORT_QUERY + 3))] if reason == "prefill" else [[1], [2]]
+    with torch.inference_mode():
+        input_ids, positions, meta = runner._inputs(tokens, [0] * len(tokens), [[0, 1, 2]] * len(tokens))
+        meta.aux_hidden_layers = (1,) if reason == "aux hidden layers" else ()
+        meta.output_rows = torch.tensor([0]) if reason == "output rows" else None
+        assert model.decode_stack(positions, model.embed_tokens(input_ids), meta) is None
+    assert calls == []
+
+
+def test_the_stack_takes_speculative_verify_rows(reference, monkeypatch):
+    """A speculating sequence's verify rows are decodes of their own to the stack, as to the decode block."""
+    path, _, prompts = reference
+    repeated = [p[:6] * 4 for p in prompts]  # prompts the n-gram proposer finds drafts in
+    plain = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
+    stacked(plain)
+    expected = generate(plain, repeated)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
+              speculative_config=spec)
+    stacked(llm)
+    rows = count_calls(monkeypatch)
+    assert [out[0] for out in generate(llm, repeated)] == [out[0] for out in expected]
+    assert llm.engine.get_stats().spec_decode.num_drafts > 0
+    assert max(rows) > len(repeated)
+
+
+def test_models_the_stack_cannot_run_keep_their_layers(reference, tmp_path):
+    path, _, _ = reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    model = stacked(llm)
+    model.layers[1].mlp.down_proj.cpu_kernel = None
+    with pytest.raises(ValueError, match="decode stack: not every MLP runs on the tile kernel"):
+        DecodeStack(model)
+    assert not attach_decode_stack(model) and model.decode_stack is None
+    model.layers[1].mlp.down_proj.cpu_kernel = model.layers[0].mlp.down_proj.cpu_kernel
+    model.layers[0].decode_block.window = 8
+    assert not attach_decode_stack(model)
+    moe = transformers.OlmoeConfig(**MOE_COMMON, intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+    save_random_model(moe, tmp_path)
+    moe_llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True)
+    on_tile_kernels(moe_llm)
+    assert not attach_decode_stack(moe_llm.engine.runner.model)
+
+
+def test_the_engine_attaches_the_stack_where_the_kernels_run(tmp_path):
+    """As the decode blocks: bfloat16 linears take the tile kernel at any size on AMX and on AVX2-only CPUs;
+    float32 ones this small stay on MKL. cpu_decode_block=False takes the blocks and the stack away."""
+    save_random_model(tiny_dense_config("llama"), tmp_path)
+    assert LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True).engine.runner.model.decode_stack is None
+    model = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True).engine.runner.model
+    on_kernels = all(layer.self_attn.o_proj.cpu_kernel is not None and layer.mlp.down_proj.cpu_kernel is not None
+                     for layer in model.layers)
+    assert (model.decode_stack is not None) == on_kernels
+    off = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, cpu_decode_block=False)
+    assert off.engine.runner.model.decode_stack is None
