@@ -76,8 +76,8 @@ class DecodeStack:
         out, rows = torch.empty_like(x), x.shape[0]
         scratch = torch.empty(rows * (3 * self.hidden + self.block_width + self.intermediate), dtype=x.dtype)
         float_scratch = torch.empty(rows * self.float_width)
-        self.fn(self.layer_args, self.mlp_args, caches, len(self.blocks), ctypes.byref(step), ptr(x), ptr(out),
-                ptr(scratch), self.block_width, ptr(float_scratch), num_threads())
+        self.fn(self.layer_args, self.mlp_args, caches, ctypes.c_int64(len(self.blocks)), ctypes.byref(step), ptr(x),
+                ptr(out), ptr(scratch), ctypes.c_int64(self.block_width), ptr(float_scratch), num_threads())
         return out
 
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
