@@ -47,7 +47,8 @@ class EngineConfig:
     adaptive_threads: bool = True  # CPU: use fewer threads while other processes hold cores
     prepack_weights: bool = True  # CPU: linear layers run on oneDNN pre-packed weight copies (more memory)
     cpu_attention_kernel: bool = True  # CPU: decode attention reads KV blocks in place (C++, built on first use)
-    cpu_decode_block: bool = True  # CPU: a layer's attention half runs in one C++ call for steps of decodes
+    cpu_decode_block: bool = True  # CPU: steps of decodes run a layer's attention half (a dense model: every
+    # layer) in one C++ call
     cpu_moe_kernel: bool = True  # CPU: decode-sized MoE batches run all experts in one C++ call (built on first use)
     attention_backend: str = "auto"  # "triton", "torch" or "auto": Triton kernels on CUDA, PyTorch + C++ on CPU
     moe_backend: str = "auto"  # routed experts: "triton", "torch" or "auto" (the same choice as attention's)
