@@ -170,25 +170,38 @@ def test_the_block_runs_packed_4bit_projections(reference, dtype, tmp_path, monk
     assert generate(llm, prompts) == fused
 
 
-def test_the_block_takes_speculative_verify_rows(reference, monkeypatch):
-    """A speculating sequence's k + 1 verify rows reach attention as decodes of their own (rows_as_decodes):
-    the block runs them, and greedy output with n-gram drafts is the plain output, bit for bit."""
-    arch, path, _, prompts = reference
-    repeated = [p[:6] * 4 for p in prompts]  # prompts the n-gram proposer finds drafts in
-    plain = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
-    on_tile_kernels(plain)
-    expected = generate(plain, repeated)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
-              speculative_config=spec)
-    on_tile_kernels(llm)
-    rows, call = [], DecodeBlock.__call__
+def count_rows(monkeypatch, cls) -> list:
+    """Per call of cls (DecodeBlock, or layers/decode_stack.py's DecodeStack): the rows it ran, 0 where it
+    stepped aside."""
+    rows, call = [], cls.__call__
 
     def counted(self, positions, x, meta):
         out = call(self, positions, x, meta)
         rows.append(0 if out is None else x.shape[0])
         return out
-    monkeypatch.setattr(DecodeBlock, "__call__", counted)
+    monkeypatch.setattr(cls, "__call__", counted)
+    return rows
+
+
+def check_speculative_verify_rows(path: str, prompts: list[list[int]], attach, cls, monkeypatch):
+    """Greedy output with n-gram drafts is the plain output, bit for bit, and a step of verify rows (several a
+    sequence) ran in cls; attach puts each engine's kernels in place."""
+    repeated = [p[:6] * 4 for p in prompts]  # prompts the n-gram proposer finds drafts in
+    plain = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
+    attach(plain)
+    expected = generate(plain, repeated)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
+              speculative_config=spec)
+    attach(llm)
+    rows = count_rows(monkeypatch, cls)
     assert [out[0] for out in generate(llm, repeated)] == [out[0] for out in expected]
     assert llm.engine.get_stats().spec_decode.num_drafts > 0
-    assert max(rows) > len(repeated)  # a step of verify rows (several a sequence) ran in the block
+    assert max(rows) > len(repeated)
+
+
+def test_the_block_takes_speculative_verify_rows(reference, monkeypatch):
+    """A speculating sequence's k + 1 verify rows reach attention as decodes of their own (rows_as_decodes):
+    the block runs them."""
+    arch, path, _, prompts = reference
+    check_speculative_verify_rows(path, prompts, on_tile_kernels, DecodeBlock, monkeypatch)

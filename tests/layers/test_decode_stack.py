@@ -12,7 +12,7 @@ from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.attention.metadata import MAX_SHORT_QUERY
 from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
 from pagedmoe.layers.decode_stack import DecodeStack, attach_decode_stack
-from test_decode_block import NUM_NEW, generate, on_tile_kernels
+from test_decode_block import NUM_NEW, check_speculative_verify_rows, count_rows, generate, on_tile_kernels
 
 import transformers
 
@@ -38,24 +38,12 @@ def stacked(llm: LLM, amx: bool = True):
     return model
 
 
-def count_calls(monkeypatch) -> list:
-    """Per call of the stack: the rows it ran, 0 where it stepped aside."""
-    rows, call = [], DecodeStack.__call__
-
-    def counted(self, positions, x, meta):
-        out = call(self, positions, x, meta)
-        rows.append(0 if out is None else x.shape[0])
-        return out
-    monkeypatch.setattr(DecodeStack, "__call__", counted)
-    return rows
-
-
 @pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
 def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
     path, _, prompts = reference
     llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
     model = stacked(llm, amx)
-    rows = count_calls(monkeypatch)
+    rows = count_rows(monkeypatch, DecodeStack)
     fused = generate(llm, prompts)
     assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)  # decodes in the stack, prefill steps not
     model.decode_stack = None
@@ -69,7 +57,7 @@ def test_the_stack_matches_hf_greedy(reference, monkeypatch):
     path, model, prompts = reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
     stacked(llm)
-    rows = count_calls(monkeypatch)
+    rows = count_rows(monkeypatch, DecodeStack)
     tokens = [out[0] for out in generate(llm, prompts)]
     assert any(rows)
     assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
@@ -83,7 +71,7 @@ def test_the_stack_steps_aside_over_a_kernels_rows(reference, monkeypatch):
     calls = []
     model.decode_stack.fn = lambda *args: calls.append(args)
     model.decode_stack.max_rows = len(prompts) - 1
-    rows = count_calls(monkeypatch)
+    rows = count_rows(monkeypatch, DecodeStack)
     assert generate(llm, prompts) == expected
     assert calls == [] and max(rows) == 0
 
@@ -110,18 +98,7 @@ def test_the_stack_steps_aside_for_the_step(reference, reason):
 def test_the_stack_takes_speculative_verify_rows(reference, monkeypatch):
     """A speculating sequence's verify rows are decodes of their own to the stack, as to the decode block."""
     path, _, prompts = reference
-    repeated = [p[:6] * 4 for p in prompts]  # prompts the n-gram proposer finds drafts in
-    plain = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
-    stacked(plain)
-    expected = generate(plain, repeated)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
-              speculative_config=spec)
-    stacked(llm)
-    rows = count_calls(monkeypatch)
-    assert [out[0] for out in generate(llm, repeated)] == [out[0] for out in expected]
-    assert llm.engine.get_stats().spec_decode.num_drafts > 0
-    assert max(rows) > len(repeated)
+    check_speculative_verify_rows(path, prompts, stacked, DecodeStack, monkeypatch)
 
 
 def test_models_the_stack_cannot_run_keep_their_layers(reference, tmp_path):
