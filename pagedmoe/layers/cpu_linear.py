@@ -16,8 +16,8 @@ from pagedmoe.memory import huge_copy
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 # Up to this many rows the kernel beats oneDNN's packed GEMM (float32, Sapphire Rapids: 1.3-1.7x at 8-32 rows,
-# even at 128); native bfloat16 only on AMX tiles (the vector tiles lose to oneDNN's AMX kernels from a few
-# rows on); elsewhere see default_max_rows.
+# even at 128); native bfloat16 on AMX tiles at every size (the vector tiles lose to oneDNN's AMX kernels from a
+# few rows on) and on avx512_bf16's pair dot products at decode sizes (below); elsewhere see default_max_rows.
 # On AMX at every row count: oneDNN reorders the plain bf16 weight into its tile layout on
 # every call, which the packed copy never does (1.2-1.4x at 64-256 rows), and JITs a kernel for every new row
 # count (3-40 ms each, and prefill and serving row counts change every step); at 512-2048 rows the chunked
@@ -25,6 +25,11 @@ ENTRY_POINTS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 ANY_ROWS = 1 << 62
 MAX_ROWS = {torch.float32: 96}
 MAX_ROWS_AMX = ANY_ROWS
+# Native bf16 without AMX (avx512_bf16: Zen 4, Cooper Lake), on the kernel's pair dot products: against oneDNN's
+# packed bf16 GEMM on a Zen 4 EPYC (ms, the 100M bench model's linears, weights from memory) 1.1-1.35x at 1-32
+# rows (gate_up at 12 rows 0.243 / 0.318), even at 64 (gate_up 1.021 / 1.058, down 0.562 / 0.522), 3-10%
+# slower from 96. Up to here the decode block and stack run the layers too.
+MAX_ROWS_BF16_PAIRS = 64
 
 
 @functools.cache
@@ -78,13 +83,15 @@ def uses_amx(library: ctypes.CDLL, weight: Tensor) -> bool:
     return bool(library.linear_amx())
 
 
-def default_max_rows(dtype: torch.dtype, on_amx: bool) -> int:
+def default_max_rows(dtype: torch.dtype, on_amx: bool, bf16_pairs: bool = False) -> int:
     """Every row count where the alternative is slower at every size: AMX, bf16 on an x86 CPU without native
     bf16 (widened here against oneDNN's emulation: 3-5x from 16 rows on an AMD EPYC, AVX2), and float32 where
-    torch's BLAS is MKL off Intel (blas_is_tuned)."""
+    torch's BLAS is MKL off Intel (blas_is_tuned); decode sizes for bf16 on avx512_bf16's pair dot products."""
     if on_amx:
         return MAX_ROWS_AMX
-    return ANY_ROWS if kernels_take_every_size(dtype) else MAX_ROWS.get(dtype, 0)
+    if kernels_take_every_size(dtype):
+        return ANY_ROWS
+    return MAX_ROWS_BF16_PAIRS if dtype == torch.bfloat16 and bf16_pairs else MAX_ROWS.get(dtype, 0)
 
 
 class CpuLinear:
@@ -103,7 +110,8 @@ class CpuLinear:
         self.fn = getattr(library, ("gated_" if gated else "") + name)
         self.fn.restype = None
         self.out_features, self.in_features = weight.shape[0] // (2 if gated else 1), weight.shape[1]
-        self.max_rows = max_rows if max_rows is not None else default_max_rows(weight.dtype, self.on_amx)
+        pairs = bool(library.linear_bf16_pairs())
+        self.max_rows = max_rows if max_rows is not None else default_max_rows(weight.dtype, self.on_amx, pairs)
         self.weight = pack_for(library, weight, panel, gated)
 
     def fits(self, x: Tensor) -> bool:

@@ -66,7 +66,7 @@ class Linear(nn.Linear):
         if self.gated and self.bias is not None:
             return False
         kernel = cpu_linear.CpuLinear(self.weight, gated=self.gated)
-        if kernel.max_rows == 0:  # bf16 with native bf16 but no AMX: oneDNN's kernels stay faster
+        if kernel.max_rows == 0:  # native bf16 without AMX or pair dot products: oneDNN's kernels stay faster
             return False
         self.cpu_kernel, self.packed_weight = kernel, None
         return True

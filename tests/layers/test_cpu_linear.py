@@ -40,7 +40,7 @@ def test_a_row_does_not_depend_on_its_batch(target, gated):
     over several panels at once), so a row's float32 output is bit-identical alone and in any batch."""
     library = cpu_linear.load_library(march=target)
     g = torch.Generator().manual_seed(2)
-    kernel = CpuLinear(torch.randn(112, 80, generator=g), library, max_rows=64, gated=gated)
+    kernel = CpuLinear(torch.randn(128, 80, generator=g), library, max_rows=64, gated=gated)  # whole panels of 16 and 32
     x = torch.randn(40, 80, generator=g)
     batched = kernel(x)
     for rows in (1, 2, 3, 7, 13):
@@ -100,10 +100,18 @@ def test_the_layer_uses_the_kernel_for_small_inputs_and_mkl_for_large(monkeypatc
 
 def test_bfloat16_takes_the_kernel_on_amx_or_without_native_bf16_and_small_weights_keep_onednn():
     """bf16 linears run on AMX tiles where the CPU has them, widened on the vector tiles where bf16 is not
-    native, else stay on oneDNN (its native bf16 kernels); weights under min_bytes stay too."""
-    on_amx = bool(cpu_linear.load_library().linear_amx()) and "amx_bf16" in cpu_info.cpu_flags()
-    takes_kernel = on_amx or not cpu_info.has_native_bf16()
-    assert attach_cpu_kernels(Linear(64, 128).bfloat16(), {"linear"}, min_bytes=0) == int(takes_kernel)
+    native, on avx512_bf16's pair dot products up to decode sizes, else stay on oneDNN (its native bf16
+    kernels); float32 weights under min_bytes stay too."""
+    library = cpu_linear.load_library()
+    on_amx = bool(library.linear_amx()) and "amx_bf16" in cpu_info.cpu_flags()
+    pairs = bool(library.linear_bf16_pairs()) and cpu_info.has_native_bf16()
+    layer = Linear(64, 128).bfloat16()
+    assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == int(on_amx or pairs or not cpu_info.has_native_bf16())
+    if pairs and not on_amx:
+        assert layer.cpu_kernel.max_rows == cpu_linear.MAX_ROWS_BF16_PAIRS
+        rows = cpu_linear.MAX_ROWS_BF16_PAIRS
+        assert layer.cpu_kernel.fits(torch.zeros(rows, 64).bfloat16())
+        assert not layer.cpu_kernel.fits(torch.zeros(rows + 1, 64).bfloat16())
     assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
     assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
 
