@@ -25,7 +25,9 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, text_model):
     assert len(logprobs.tokens) == num_prompt + 5 and "".join(logprobs.tokens[:num_prompt]) == PROMPT
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert all(value <= 0 for value in logprobs.token_logprobs[1:])
-    assert logprobs.token_logprobs[num_prompt:] == plain.choices[0].logprobs.token_logprobs
+    # echo computes every prompt row past the last layer, the plain request its last only: GEMMs of other row
+    # counts (torch's, for this tiny model's small weights) may round the last bit apart (Zen 4 AVX-512: 2e-7)
+    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     prompt_offsets = [sum(map(len, logprobs.tokens[:i])) for i in range(num_prompt)]
     output_offsets = [len(PROMPT) + offset for offset in plain.choices[0].logprobs.text_offset]
     assert logprobs.text_offset == prompt_offsets + output_offsets
