@@ -106,12 +106,17 @@ def test_bfloat16_takes_the_kernel_on_amx_or_without_native_bf16_and_small_weigh
     on_amx = bool(library.linear_amx()) and "amx_bf16" in cpu_info.cpu_flags()
     pairs = bool(library.linear_bf16_pairs()) and cpu_info.has_native_bf16()
     layer = Linear(64, 128).bfloat16()
+    layer.pack()
     assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == int(on_amx or pairs or not cpu_info.has_native_bf16())
-    if pairs and not on_amx:
-        assert layer.cpu_kernel.max_rows == cpu_linear.MAX_ROWS_BF16_PAIRS
+    if pairs and not on_amx:  # decode sizes on the kernel, the rest on oneDNN's packed copy
         rows = cpu_linear.MAX_ROWS_BF16_PAIRS
+        assert layer.cpu_kernel.max_rows == rows and layer.packed_weight is not None
         assert layer.cpu_kernel.fits(torch.zeros(rows, 64).bfloat16())
         assert not layer.cpu_kernel.fits(torch.zeros(rows + 1, 64).bfloat16())
+        x = torch.randn(rows + 1, 64).bfloat16()
+        with torch.inference_mode():
+            expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+            torch.testing.assert_close(layer(x).double(), expected, **TOLERANCE[torch.bfloat16])
     assert attach_cpu_kernels(Linear(64, 128), {"linear"}, min_bytes=1 << 20) == 0
     assert attach_cpu_kernels(Linear(64, 128), {"moe"}, min_bytes=0) == 0
 
