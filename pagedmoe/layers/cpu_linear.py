@@ -86,12 +86,24 @@ def uses_amx(library: ctypes.CDLL, weight: Tensor) -> bool:
 def default_max_rows(dtype: torch.dtype, on_amx: bool, bf16_pairs: bool = False) -> int:
     """Every row count where the alternative is slower at every size: AMX, bf16 on an x86 CPU without native
     bf16 (widened here against oneDNN's emulation: 3-5x from 16 rows on an AMD EPYC, AVX2), and float32 where
-    torch's BLAS is MKL off Intel (blas_is_tuned); decode sizes for bf16 on avx512_bf16's pair dot products."""
+    torch's BLAS is MKL off Intel (blas_is_tuned) on AVX2; decode sizes for bf16 on avx512_bf16's pair dot
+    products and for float32 off Intel with AVX-512, whose larger inputs take oneDNN's packed copy
+    (keeps_packed_copy)."""
     if on_amx:
         return MAX_ROWS_AMX
+    if dtype == torch.float32 and "avx512f" in cpu_flags() and kernels_take_every_size(dtype):
+        return MAX_ROWS[dtype]
     if kernels_take_every_size(dtype):
         return ANY_ROWS
     return MAX_ROWS_BF16_PAIRS if dtype == torch.bfloat16 and bf16_pairs else MAX_ROWS.get(dtype, 0)
+
+
+def keeps_packed_copy(dtype: torch.dtype, max_rows: int) -> bool:
+    """Whether a layer whose kernel takes up to max_rows keeps oneDNN's packed copy for larger inputs, where it
+    beats F.linear: bf16 (5-8% from 256 rows on a Zen 4 EPYC) and float32 off Intel (MKL's sgemm untuned; on
+    the Zen 4 oneDNN's packed GEMM was also 1.05-1.35x faster than the tile kernel from 256 rows). On Intel
+    MKL is as fast as the packed copy, so float32 weights are held twice, not three times."""
+    return max_rows < ANY_ROWS and (dtype == torch.bfloat16 or kernels_take_every_size(dtype))
 
 
 class CpuLinear:

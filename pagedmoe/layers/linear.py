@@ -55,10 +55,10 @@ class Linear(nn.Linear):
 
     def use_cpu_kernel(self, min_bytes: int = 0) -> bool:
         """Runs decode-sized inputs through the CPU tile-GEMM kernel and larger ones through MKL (as fast as
-        oneDNN's packed copy there in float32), so the weight is held twice, not three times. A bf16 weight that
-        the kernel takes at decode sizes only (avx512_bf16 without AMX) keeps oneDNN's packed copy for the rest:
-        F.linear's bf16 path was 5-8% slower from 256 rows on a Zen 4 EPYC. False where it does not apply
-        (dtype, shape, a float32 weight under min_bytes)."""
+        oneDNN's packed copy there in float32 on Intel), so the weight is held twice, not three times; elsewhere
+        a weight that the kernel takes at decode sizes only keeps oneDNN's packed copy for the rest
+        (cpu_linear.keeps_packed_copy). False where it does not apply (dtype, shape, a float32 weight under
+        min_bytes)."""
         if self.fp4 is not None:
             return False
         panel = cpu_linear.load_library().linear_panel()
@@ -71,7 +71,7 @@ class Linear(nn.Linear):
         if kernel.max_rows == 0:  # native bf16 without AMX or pair dot products: oneDNN's kernels stay faster
             return False
         self.cpu_kernel = kernel
-        if self.weight.dtype != torch.bfloat16 or kernel.max_rows == cpu_linear.ANY_ROWS:
+        if not cpu_linear.keeps_packed_copy(self.weight.dtype, kernel.max_rows):
             self.packed_weight = None
         return True
 

@@ -152,7 +152,8 @@ def test_gate_up_layer_with_and_without_the_kernel():
     ("AuthenticAMD", "avx2 fma", torch.float32, True),  # MKL's sgemm is not tuned off Intel
     ("AuthenticAMD", "avx2 fma", torch.bfloat16, True),  # widened bf16 against oneDNN's emulation
     ("GenuineIntel", "avx2 fma", torch.bfloat16, True),
-    ("AuthenticAMD", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16", torch.bfloat16, False)])
+    ("AuthenticAMD", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16", torch.bfloat16, False),
+    ("AuthenticAMD", "avx2 fma avx512f avx512bw avx512vl avx512dq", torch.float32, False)])  # oneDNN above
 def test_row_limit_follows_the_cpu(monkeypatch, vendor, flags, dtype, every_size):
     """Which inputs the kernel takes, for the vendor and flags PAGEDMOE_CPU_VENDOR / _FLAGS report; a layer
     that takes every size runs a prefill-sized input through the kernel and matches F.linear."""
@@ -167,6 +168,22 @@ def test_row_limit_follows_the_cpu(monkeypatch, vendor, flags, dtype, every_size
         attached = attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1
         assert (attached and layer.cpu_kernel.fits(x)) == every_size
         torch.testing.assert_close(layer(x).double(), expected, **TOLERANCE[dtype])
+
+
+def test_float32_off_intel_with_avx512_runs_large_inputs_on_onednns_packed_copy(monkeypatch):
+    """AVX-512 off Intel: the kernel up to MAX_ROWS rows, oneDNN's packed copy (kept) above, where it was faster."""
+    if not cpu_info.is_x86():
+        pytest.skip("x86 dispatch")
+    monkeypatch.setenv("PAGEDMOE_CPU_VENDOR", "AuthenticAMD")
+    monkeypatch.setenv("PAGEDMOE_CPU_FLAGS", "avx2 fma avx512f avx512bw avx512vl avx512dq")
+    layer = Linear(64, 96)
+    layer.pack()
+    assert attach_cpu_kernels(layer, {"linear"}, min_bytes=0) == 1 and layer.packed_weight is not None
+    assert layer.cpu_kernel.max_rows == cpu_linear.MAX_ROWS[torch.float32]
+    x = torch.randn(300, 64)
+    with torch.inference_mode():
+        expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        torch.testing.assert_close(layer(x).double(), expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages: Linux anonymous mappings")
