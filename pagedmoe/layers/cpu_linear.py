@@ -91,10 +91,8 @@ def default_max_rows(dtype: torch.dtype, on_amx: bool, bf16_pairs: bool = False)
     (keeps_packed_copy)."""
     if on_amx:
         return MAX_ROWS_AMX
-    if dtype == torch.float32 and "avx512f" in cpu_flags() and kernels_take_every_size(dtype):
-        return MAX_ROWS[dtype]
     if kernels_take_every_size(dtype):
-        return ANY_ROWS
+        return MAX_ROWS[dtype] if dtype == torch.float32 and "avx512f" in cpu_flags() else ANY_ROWS
     return MAX_ROWS_BF16_PAIRS if dtype == torch.bfloat16 and bf16_pairs else MAX_ROWS.get(dtype, 0)
 
 

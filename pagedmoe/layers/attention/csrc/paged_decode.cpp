@@ -70,13 +70,13 @@ class RowWalk {
     Rows<T> rows, ahead;
     int64_t ahead_left, row_bytes;
 
+    static int64_t distance(const Shape &s) { return std::max<int64_t>(1, PREFETCH_BYTES / (sizeof(T) * s.head_dim)); }
+
   public:
     RowWalk(const T *head, const int64_t *table, int64_t first, int64_t len, const Shape &s)
-        : RowWalk(head, table, first, len, s, std::max<int64_t>(1, PREFETCH_BYTES / (sizeof(T) * s.head_dim))) {}
-    RowWalk(const T *head, const int64_t *table, int64_t first, int64_t len, const Shape &s, int64_t distance)
         : rows(head, table, first, s),
-          ahead(head, table, first + distance < len ? first + distance : first, s),
-          ahead_left(len - first - distance), row_bytes(int64_t(sizeof(T)) * s.head_dim) {}
+          ahead(head, table, first + distance(s) < len ? first + distance(s) : first, s),
+          ahead_left(len - first - distance(s)), row_bytes(int64_t(sizeof(T)) * s.head_dim) {}
     const T *next() {
         if (ahead_left-- > 0) {
             const char *row = reinterpret_cast<const char *>(ahead.next());
