@@ -1,7 +1,8 @@
-"""Every decoder layer of a dense model for a step of decodes in one C++ call (decode_stack in
-attention/csrc/decode_block.cpp): each layer's decode block, then its MLP (the gated gate_up and the down
-projection on the tile kernel) and residual add. The kernels and their order are those of the layers' modules,
-so the output is bit-identical; what goes is the Python and dispatch between the layers. That cost more than a
+"""Every decoder layer of a model for a step of decodes in one C++ call (decode_stack in
+attention/csrc/decode_block.cpp): each layer's decode block, then its MLP (dense: the gated gate_up and the down
+projection on the tile kernel; sparse: the CPU router and the fused-MoE kernel) and residual add. The kernels
+and their order are those of the layers' modules, so the output is bit-identical; what goes is the Python and
+dispatch between the layers. That cost more than a
 microbenchmark of it shows: every wrapper and torch op after a kernel runs on caches the kernel's weights just
 flushed, ~0.5 ms a layer at 64 decodes against ~0.1 ms warm (qwen3-100m, float32, AVX2 EPYC)."""
 import ctypes
@@ -14,33 +15,73 @@ from pagedmoe.layers.attention.decode_block import SUFFIXES, LayerArgs, ProjArgs
 from pagedmoe.layers.attention.metadata import AttentionMetadata
 from pagedmoe.layers.cpu_build import num_threads, ptr
 from pagedmoe.layers.linear import GateUpLinear, Linear
+from pagedmoe.layers.moe import cpu_router
+from pagedmoe.layers.moe.cpu_kernel import Epilogue
+from pagedmoe.layers.moe.cpu_router import RouterArgs
+from pagedmoe.layers.moe.layer import FusedMoE
+
+
+class MoeArgs(ctypes.Structure):
+    _fields_ = [("router", RouterArgs), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("epilogue", Epilogue),
+                *((name, ctypes.c_int64) for name in ("num_experts", "inter", "amx"))]
 
 
 class MlpArgs(ctypes.Structure):
-    _fields_ = [("gate_up", ProjArgs), ("down", ProjArgs), ("intermediate", ctypes.c_int64)]
+    _fields_ = [("gate_up", ProjArgs), ("down", ProjArgs), ("intermediate", ctypes.c_int64),
+                ("moe", ctypes.POINTER(MoeArgs))]
 
 
 def unsupported_reason(model) -> str | None:
-    """model.has_plain_layers(): every layer a decoder layer with a dense MLP, as the stack runs them."""
+    """model.has_plain_layers(): every layer a decoder layer with a dense or sparse MLP, as the stack runs them."""
     if not model.has_plain_layers() or any(layer.decode_block is None for layer in model.layers):
-        return "not every layer is a plain decoder layer with a dense MLP and a decode block"
+        return "not every layer is a plain decoder layer with a decode block"
     if any(layer.decode_block.window for layer in model.layers):
         return "sliding-window layers attend with tables of their own"
-    if not all(on_tile_kernel(layer.mlp) for layer in model.layers):
-        return "not every MLP runs on the tile kernel"
+    if not all(on_tile_kernel(layer.mlp) or on_moe_kernel(layer.mlp) for layer in model.layers):
+        return "not every MLP runs on the tile kernel or the CPU router and MoE kernel"
     return None
 
 
+def on_moe_kernel(moe) -> bool:
+    """Routed experts alone on the CPU router and fused-MoE kernel: no shared experts, expert or data
+    parallelism, offloading, 4-bit or Triton experts."""
+    if not isinstance(moe, FusedMoE) or moe.cpu_router is None or moe.cpu_experts is None:
+        return False
+    return all(getattr(moe, name) is None for name in (
+        "shared_experts", "expert_map", "token_exchange", "expert_cache", "fp4_experts", "triton_experts"))
+
+
 def on_tile_kernel(mlp) -> bool:
+    if isinstance(mlp, FusedMoE):
+        return False
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     return type(gate_up) is GateUpLinear and type(down) is Linear and all(
         linear.fp4 is None and linear.cpu_kernel is not None for linear in (gate_up, down))
 
 
-def mlp_args(mlp, dtype: torch.dtype) -> tuple[MlpArgs, list[Tensor | None]]:
+def mlp_args(mlp, dtype: torch.dtype) -> tuple[MlpArgs, list]:
+    """The MLP as the kernel reads it, and what it points into."""
+    if isinstance(mlp, FusedMoE):
+        return moe_args(mlp, dtype)
     (gate_up, gate_up_tensors), (down, down_tensors) = (proj_args(p, dtype) for p in (mlp.gate_up_proj,
                                                                                       mlp.down_proj))
     return MlpArgs(gate_up, down, mlp.down_proj.in_features), [*gate_up_tensors, *down_tensors]
+
+
+def moe_args(moe: FusedMoE, dtype: torch.dtype) -> tuple[MlpArgs, list]:
+    experts = moe.cpu_experts
+    gate = moe.float_gate()  # the float32 copy the router's arguments point into
+    args = MoeArgs(moe.cpu_router.args(dtype), experts.w13.data_ptr(), experts.w2.data_ptr(), experts.epilogue,
+                   experts.num_experts, experts.inter, int(experts.amx_fn is not None))
+    return MlpArgs(moe=ctypes.pointer(args)), [args, gate, experts.w13, experts.w2, experts.b13, experts.b2]
+
+
+def max_mlp_rows(mlp) -> int:
+    if isinstance(mlp, FusedMoE):
+        experts = mlp.cpu_experts
+        return cpu_router.MAX_TOKENS if experts.amx_fn is not None else min(
+            cpu_router.MAX_TOKENS, experts.max_pairs // mlp.router.top_k)
+    return min(p.cpu_kernel.max_rows for p in (mlp.gate_up_proj, mlp.down_proj))
 
 
 class DecodeStack:
@@ -60,11 +101,12 @@ class DecodeStack:
         self.layer_args = (LayerArgs * len(layers))(*(block.args for block in self.blocks))
         self.mlp_args = (MlpArgs * len(layers))(*(args for args, _ in mlps))
         self.tensors = [tensor for _, tensors in mlps for tensor in tensors]  # held: the structs point into them
-        self.intermediate = max(layer.mlp.down_proj.in_features for layer in layers)
+        self.intermediate = max(args.intermediate for args, _ in mlps)
         self.block_width = max(block.scratch_width for block in self.blocks)
         self.float_width = max(block.float_scratch_width for block in self.blocks)
-        mlp_rows = [p.cpu_kernel.max_rows for layer in layers for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        mlp_rows = [max_mlp_rows(layer.mlp) for layer in layers]
         self.max_rows = min(*mlp_rows, *(block.max_rows for block in self.blocks))
+        self.moe_indices = [getattr(layer.mlp, "moe_index", None) for layer in layers]
 
     def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
         if meta.aux_hidden_layers or meta.output_rows is not None or not self.applies(x, meta):
@@ -76,12 +118,23 @@ class DecodeStack:
         out, rows = torch.empty_like(x), x.shape[0]
         scratch = torch.empty(rows * (3 * self.hidden + self.block_width + self.intermediate), dtype=x.dtype)
         float_scratch = torch.empty(rows * self.float_width)
-        self.fn(self.layer_args, self.mlp_args, caches, ctypes.c_int64(len(self.blocks)), ctypes.byref(step), ptr(x),
-                ptr(out), ptr(scratch), ctypes.c_int64(self.block_width), ptr(float_scratch), num_threads())
+        self.fn(self.layer_args, self.mlp_args, caches, self.expert_loads(meta), ctypes.c_int64(len(self.blocks)),
+                ctypes.byref(step), ptr(x), ptr(out), ptr(scratch), ctypes.c_int64(self.block_width),
+                ptr(float_scratch), num_threads())
         return out
 
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
-        return x.shape[0] <= self.max_rows and self.blocks[0].applies(x, meta)
+        load = meta.expert_load
+        countable = load is None or load.dtype == torch.int64 and load.is_contiguous()
+        return x.shape[0] <= self.max_rows and countable and self.blocks[0].applies(x, meta)
+
+    def expert_loads(self, meta: AttentionMetadata):
+        """Each layer's row of the step's expert load (MoEBlock counts into it), or null."""
+        load = meta.expert_load
+        if load is None:
+            return None
+        return (ctypes.c_void_p * len(self.blocks))(*(None if i is None else load[i].data_ptr()
+                                                      for i in self.moe_indices))
 
 
 def attach_decode_stack(model: torch.nn.Module) -> bool:

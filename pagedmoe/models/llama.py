@@ -7,6 +7,7 @@ from pagedmoe.layers.linear import GateUpLinear, Linear, MergedLinear
 from pagedmoe.layers.norm import RMSNorm
 from pagedmoe.layers.quantization.fp4_kernel import PackedFp4Weight
 from pagedmoe.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pagedmoe.models.moe_block import MoEBlock
 
 # HF projection name -> (our merged module, shard)
 STACKED_PARAMS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -153,8 +154,9 @@ class DecoderForCausalLM(nn.Module):
         return x
 
     def has_plain_layers(self) -> bool:
-        """Every layer a DecoderLayer with a dense MLP: what layers/decode_stack.py runs in one call."""
-        return all(type(layer) is DecoderLayer and type(layer.mlp) is MLP for layer in self.layers)
+        """Every layer a DecoderLayer with a dense MLP or a MoEBlock: what layers/decode_stack.py runs in one
+        call."""
+        return all(type(layer) is DecoderLayer and type(layer.mlp) in (MLP, MoEBlock) for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,20 +1,20 @@
-"""The decode stack (layers/decode_stack.py): every layer of a dense model for a step of decodes in one C++ call
-must give bit-identical tokens and logprobs to the layers run one by one (through their decode blocks, or their
-modules), and match HF's greedy tokens in float32: Llama and Qwen3, float32 and bfloat16, on the AMX tiles and
-on the vector tiles. Where it does not apply the layers run: prefill steps, EAGLE-3's hidden states, the last
-layer's row selection, rows over a kernel's limit; models with MoE or sliding-window layers never take it."""
+"""The decode stack (layers/decode_stack.py): every layer of a model for a step of decodes in one C++ call must
+give bit-identical tokens and logprobs to the layers run one by one (through their decode blocks, or their
+modules), and match HF's greedy tokens in float32: Llama and Qwen3, and the sparse Qwen3-MoE and Mixtral (their
+expert load counted alike), float32 and bfloat16, on the AMX tiles and on the vector tiles. Where it does not
+apply the layers run: prefill steps, EAGLE-3's hidden states, the last layer's row selection, rows over a
+kernel's limit; models with sliding-window layers, shared experts or MoE layers off the kernels never take it."""
 import pytest
 import torch
 
-from conftest import MOE_COMMON, hf_greedy, make_prompts, save_random_model, tiny_dense_config
+from conftest import TINY_MOE_CONFIGS, hf_greedy, make_prompts, save_random_model, tiny_dense_config
 from pagedmoe import LLM
 from pagedmoe.layers import cpu_linear
+from pagedmoe.layers.moe import cpu_kernel, cpu_router
 from pagedmoe.layers.attention.metadata import MAX_SHORT_QUERY
 from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
 from pagedmoe.layers.decode_stack import DecodeStack, attach_decode_stack
 from test_decode_block import NUM_NEW, check_speculative_verify_rows, count_rows, generate, on_tile_kernels
-
-import transformers
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -112,8 +112,7 @@ def test_models_the_stack_cannot_run_keep_their_layers(reference, tmp_path):
     model.layers[1].mlp.down_proj.cpu_kernel = model.layers[0].mlp.down_proj.cpu_kernel
     model.layers[0].decode_block.window = 8
     assert not attach_decode_stack(model)
-    moe = transformers.OlmoeConfig(**MOE_COMMON, intermediate_size=48, num_experts=4, num_experts_per_tok=2)
-    save_random_model(moe, tmp_path)
+    save_random_model(TINY_MOE_CONFIGS["qwen2_moe"](), tmp_path)  # shared experts: the MoE kernel has none
     moe_llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True)
     on_tile_kernels(moe_llm)
     assert not attach_decode_stack(moe_llm.engine.runner.model)
@@ -130,3 +129,67 @@ def test_the_engine_attaches_the_stack_where_the_kernels_run(tmp_path):
     assert (model.decode_stack is not None) == on_kernels
     off = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, cpu_decode_block=False)
     assert off.engine.runner.model.decode_stack is None
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_reference(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_random_model(TINY_MOE_CONFIGS[request.param](), path, seed=3)
+    return str(path), model, make_prompts(6, seed=5, max_len=30)
+
+
+def moe_stacked(llm: LLM, amx: bool = True):
+    """The MoE model's attention on the tile kernel, its experts on the fused-MoE kernel (amx False: bf16 on the
+    vector tiles), its decode blocks and its stack."""
+    on_tile_kernels(llm, amx)
+    model = llm.engine.runner.model
+    for moe in model.moe_layers:
+        assert moe.cpu_router is not None and moe.cpu_experts is not None
+        if moe.cpu_experts.amx_fn is not None and not amx:
+            moe.cpu_experts.amx_fn, moe.cpu_experts.fn = None, cpu_kernel.load_library().fused_moe_bf16
+    assert attach_decode_stack(model)
+    return model
+
+
+def generate_counting(llm: LLM, prompts: list[list[int]]):
+    """generate's output, and the expert load the engine counted for it."""
+    before = llm.engine.expert_load.clone()
+    return generate(llm, prompts), (llm.engine.expert_load - before).tolist()
+
+
+@pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
+def test_the_moe_stack_equals_the_layers(moe_reference, dtype, amx, monkeypatch):
+    path, _, prompts = moe_reference
+    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
+    model = moe_stacked(llm, amx)
+    rows = count_rows(monkeypatch, DecodeStack)
+    fused, load = generate_counting(llm, prompts)
+    assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)
+    # top-2 of every token the first layer ran; the last layer runs only the rows sampled from
+    assert [sum(load[0]), sum(load[-1])] == [2 * sum(len(p) + NUM_NEW - 1 for p in prompts), 2 * len(prompts) * NUM_NEW]
+    model.decode_stack = None
+    assert generate_counting(llm, prompts) == (fused, load)
+
+
+def test_the_moe_stack_matches_hf_greedy(moe_reference, monkeypatch):
+    path, model, prompts = moe_reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
+    moe_stacked(llm)
+    rows = count_rows(monkeypatch, DecodeStack)
+    tokens = [out[0] for out in generate(llm, prompts)]
+    assert any(rows)
+    assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+
+
+def test_the_moe_stack_takes_the_rows_its_kernels_take(moe_reference):
+    """The router's limit, and the experts' where they are not on AMX tiles; an MoE layer off the fused kernel
+    (here, as on offloaded or expert-parallel layers) keeps the layers."""
+    path, _, _ = moe_reference
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
+    model = moe_stacked(llm)
+    experts = model.moe_layers[0].cpu_experts
+    assert model.decode_stack.max_rows == min(cpu_router.MAX_TOKENS, experts.max_pairs // 2,
+                                              model.layers[0].decode_block.max_rows)
+    model.moe_layers[1].cpu_experts = None
+    with pytest.raises(ValueError, match="not every MLP runs on the tile kernel or the CPU router and MoE kernel"):
+        DecodeStack(model)

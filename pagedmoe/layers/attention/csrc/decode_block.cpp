@@ -3,7 +3,8 @@
 // post-attention RMSNorm. At one token a layer's Python and dispatch between these kernels took longer than
 // the kernels (about 100 us against 60 on gpt-oss-200m); here they run back to back. Each step is the very
 // kernel the layer's modules call one by one, in the same order, so the result is bit-identical to theirs.
-// decode_stack runs every layer of a dense model so, its MLP and residual add included, in one call.
+// decode_stack runs every layer of a model so, its MLP (dense, or sparse: router and fused experts) and residual
+// add included, in one call.
 // Built and loaded by pagedmoe/layers/attention/decode_block.py (and layers/decode_stack.py).
 #include <memory>
 #include <utility>
@@ -27,6 +28,15 @@ namespace decode_kernel {
 namespace fp4_kernel {
 #include "../../quantization/csrc/fp4_gemm.cpp"
 }
+#undef EXPORT
+namespace router_kernel {
+#include "../../moe/csrc/router.cpp"
+}
+#undef EXPORT
+namespace moe_kernel {
+#include "../../moe/csrc/fused_moe.cpp"
+}
+#undef EXPORT
 
 namespace {
 
@@ -133,10 +143,20 @@ void decode_block(const Layer &l, const Step &s, const T *x, T *cache, T *out, T
     pointwise_kernel::rms_norm(out, (const T *)l.post_norm, normed, n, l.hidden, l.eps, num_threads);
 }
 
-// A dense gated MLP on the tile kernel: gate_up (gated: silu(gate) * up on the float32 tile), then down.
+// A sparse MLP: its router and its experts, packed as layers/moe/cpu_kernel.py packs them (amx: on AMX tiles).
+struct Moe {
+    router_kernel::Router router;
+    const void *w13, *w2;
+    moe_kernel::Epilogue epilogue;
+    int64_t num_experts, inter, amx;
+};
+
+// A gated MLP: dense on the tile kernel (gated: silu(gate) * up on the float32 tile), then down; or sparse
+// (moe not null).
 struct Mlp {
     Proj gate_up, down;
     int64_t intermediate;
+    const Moe *moe;
 };
 
 // x += down(silu(normed G^T) * (normed U^T)): the MLP module, then the layer's residual add in T.
@@ -154,19 +174,48 @@ void mlp_block(const Mlp &m, const T *normed, T *x, T *scratch, int64_t n, int64
     for (int64_t i = 0; i < n * hidden; i++) store(x[i], to_float(x[i]) + to_float(down[i]));
 }
 
-// Every layer of a dense decoder, each its decode_block then its mlp_block; out: the last layer's output.
-// caches: each layer's KV cache. scratch: tokens * (2 * hidden + block_width + intermediate + hidden)
-// elements, block_width being decode_block's scratch per token; float_scratch as decode_block's.
+// x += experts(normed): the MoE module's route (counts: the layer's expert load, added to, or null) and its
+// fused experts in float32, rounded to T, then the layer's residual add in T.
 template <typename T>
-void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_t num_layers, const Step &s,
-                  const T *x, T *out, T *scratch, int64_t block_width, float *float_scratch, int num_threads) {
+void moe_block(const Moe &m, const T *normed, T *x, int64_t *counts, int64_t n, int64_t hidden, int num_threads) {
+    const int64_t k = m.router.top_k;
+    std::vector<float> weights(n * k), out(n * hidden);
+    std::vector<int64_t> ids(n * k);
+    router_kernel::route(m.router, normed, n, weights.data(), ids.data(), counts, num_threads);
+    const moe_kernel::Shape shape{n, k, m.num_experts, hidden, m.inter};
+    const T *w13 = (const T *)m.w13, *w2 = (const T *)m.w2;
+    if constexpr (std::is_same_v<T, BF16>)
+        if (m.amx)
+            moe_kernel::fused_moe_on_amx(normed, ids.data(), weights.data(), w13, w2, out.data(), shape,
+                                         m.epilogue, num_threads);
+    if (!m.amx)
+        moe_kernel::fused_moe(normed, ids.data(), weights.data(), w13, w2, out.data(), shape, m.epilogue,
+                              num_threads);
+    for (int64_t i = 0; i < n * hidden; i++) {
+        T routed;
+        store(routed, out[i]);
+        store(x[i], to_float(x[i]) + to_float(routed));
+    }
+}
+
+// Every layer of a decoder, each its decode_block then its mlp_block or moe_block; out: the last layer's output.
+// caches: each layer's KV cache; loads: each layer's expert load (null, or null where none is counted).
+// scratch: tokens * (2 * hidden + block_width + intermediate + hidden) elements, block_width being
+// decode_block's scratch per token; float_scratch as decode_block's.
+template <typename T>
+void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_t *const *loads, int64_t num_layers,
+                  const Step &s, const T *x, T *out, T *scratch, int64_t block_width, float *float_scratch,
+                  int num_threads) {
     const int64_t n = s.tokens, hidden = layers[0].hidden;
     T *current = out, *next = scratch, *normed = next + n * hidden, *block_scratch = normed + n * hidden;
     T *mlp_scratch = block_scratch + n * block_width;
     std::memcpy(current, x, sizeof(T) * n * hidden);
     for (int64_t l = 0; l < num_layers; l++) {
         decode_block(layers[l], s, current, caches[l], next, normed, block_scratch, float_scratch, num_threads);
-        mlp_block(mlps[l], normed, next, mlp_scratch, n, hidden, num_threads);
+        if (mlps[l].moe)
+            moe_block(*mlps[l].moe, normed, next, loads ? loads[l] : nullptr, n, hidden, num_threads);
+        else
+            mlp_block(mlps[l], normed, next, mlp_scratch, n, hidden, num_threads);
         std::swap(current, next);
     }
     if (current != out) std::memcpy(out, current, sizeof(T) * n * hidden);
@@ -180,10 +229,11 @@ void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_
         decode_block(*layer, *step, x, cache, out, normed, scratch, float_scratch, num_threads);             \
     }                                                                                                         \
     extern "C" void decode_stack_##SUFFIX(const Layer *layers, const Mlp *mlps, T *const *caches,              \
-                                         int64_t num_layers, const Step *step, const T *x, T *out, T *scratch, \
-                                         int64_t block_width, float *float_scratch, int num_threads) {       \
-        decode_stack(layers, mlps, caches, num_layers, *step, x, out, scratch, block_width, float_scratch,   \
-                     num_threads);                                                                         \
+                                         int64_t *const *loads, int64_t num_layers, const Step *step,         \
+                                         const T *x, T *out, T *scratch, int64_t block_width,                 \
+                                         float *float_scratch, int num_threads) {                             \
+        decode_stack(layers, mlps, caches, loads, num_layers, *step, x, out, scratch, block_width,           \
+                     float_scratch, num_threads);                                                          \
     }
 EXPORT(f32, float)
 EXPORT(bf16, BF16)

@@ -187,7 +187,7 @@ void amx_experts(const BF16 *xs, const BF16 *w13, const BF16 *w2, const Buckets 
     });
 }
 
-void fused_moe_amx(const BF16 *x, const int64_t *topk_ids, const float *topk_weights, const BF16 *w13,
+void fused_moe_on_amx(const BF16 *x, const int64_t *topk_ids, const float *topk_weights, const BF16 *w13,
                    const BF16 *w2, float *out, const Shape &s, const Epilogue &ep, int num_threads) {
     const Buckets b = bucket(topk_ids, s);
     std::vector<BF16> xs(b.start.back() * s.hidden);  // the pairs of known experts; the others contribute nothing
@@ -270,5 +270,5 @@ EXPORT(fused_moe_bf16, BF16)
 extern "C" void fused_moe_amx_bf16(const BF16 *x, const int64_t *topk_ids, const float *topk_weights,
                                    const BF16 *w13, const BF16 *w2, float *out, Shape shape, const Epilogue *ep,
                                    int num_threads) {
-    fused_moe_amx(x, topk_ids, topk_weights, w13, w2, out, shape, *ep, num_threads);
+    fused_moe_on_amx(x, topk_ids, topk_weights, w13, w2, out, shape, *ep, num_threads);
 }
