@@ -2,9 +2,9 @@
 attention/csrc/decode_block.cpp): each layer's decode block, then its MLP (dense: the gated gate_up and the down
 projection on the tile kernel; sparse: the CPU router and the fused-MoE kernel) and residual add. The kernels
 and their order are those of the layers' modules, so the output is bit-identical; what goes is the Python and
-dispatch between the layers. That cost more than a
-microbenchmark of it shows: every wrapper and torch op after a kernel runs on caches the kernel's weights just
-flushed, ~0.5 ms a layer at 64 decodes against ~0.1 ms warm (qwen3-100m, float32, AVX2 EPYC)."""
+dispatch between the layers. That cost more than a microbenchmark of it shows: every wrapper and torch op after a
+kernel runs on caches the kernel's weights just flushed, ~0.5 ms a layer at 64 decodes against ~0.1 ms warm
+(qwen3-100m, float32, AVX2 EPYC); on a MoE model, ~10% of a float32 decode (qwen3-moe-100m-active, Zen 4)."""
 import ctypes
 
 import torch
@@ -85,8 +85,9 @@ def max_mlp_rows(mlp) -> int:
 
 
 class DecodeStack:
-    """model: a DecoderForCausalLM (models/llama.py) whose layers all have decode blocks and dense MLPs on the
-    tile kernel. Call it in place of the loop over the layers: their output, or None where it does not apply."""
+    """model: a DecoderForCausalLM (models/llama.py) whose layers all have decode blocks, and dense MLPs on the
+    tile kernel or MoE blocks on the CPU router and MoE kernel. Call it in place of the loop over the layers:
+    their output, or None where it does not apply."""
 
     def __init__(self, model, library: ctypes.CDLL | None = None):
         if reason := unsupported_reason(model):
@@ -107,6 +108,7 @@ class DecodeStack:
         mlp_rows = [max_mlp_rows(layer.mlp) for layer in layers]
         self.max_rows = min(*mlp_rows, *(block.max_rows for block in self.blocks))
         self.moe_indices = [getattr(layer.mlp, "moe_index", None) for layer in layers]
+        self.experts = [(layer.mlp, layer.mlp.cpu_experts) for layer in layers if isinstance(layer.mlp, FusedMoE)]
 
     def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
         if meta.aux_hidden_layers or meta.output_rows is not None or not self.applies(x, meta):
@@ -126,7 +128,11 @@ class DecodeStack:
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
         load = meta.expert_load
         countable = load is None or load.dtype == torch.int64 and load.is_contiguous()
-        return x.shape[0] <= self.max_rows and countable and self.blocks[0].applies(x, meta)
+        return x.shape[0] <= self.max_rows and countable and self.blocks[0].applies(x, meta) and self.same_experts()
+
+    def same_experts(self) -> bool:
+        """The experts packed when the stack was built, still the layers' own (EPLB repacks them) and unmapped."""
+        return all(moe.cpu_experts is experts and moe.expert_map is None for moe, experts in self.experts)
 
     def expert_loads(self, meta: AttentionMetadata):
         """Each layer's row of the step's expert load (MoEBlock counts into it), or null."""

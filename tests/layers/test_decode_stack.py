@@ -182,14 +182,20 @@ def test_the_moe_stack_matches_hf_greedy(moe_reference, monkeypatch):
 
 
 def test_the_moe_stack_takes_the_rows_its_kernels_take(moe_reference):
-    """The router's limit, and the experts' where they are not on AMX tiles; an MoE layer off the fused kernel
-    (here, as on offloaded or expert-parallel layers) keeps the layers."""
+    """The router's limit, and the experts' where they are not on AMX tiles; experts repacked since the stack was
+    built step aside, and an MoE layer off the fused kernel (as offloaded or expert-parallel ones) keeps the
+    layers."""
     path, _, _ = moe_reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
     model = moe_stacked(llm)
     experts = model.moe_layers[0].cpu_experts
     assert model.decode_stack.max_rows == min(cpu_router.MAX_TOKENS, experts.max_pairs // 2,
                                               model.layers[0].decode_block.max_rows)
+    repacked = cpu_kernel.CpuFusedMoE(model.moe_layers[1].w13, model.moe_layers[1].w2)
+    model.moe_layers[1].cpu_experts, experts = repacked, model.moe_layers[1].cpu_experts
+    assert not model.decode_stack.same_experts()  # as EPLB repacks moved experts: the stack steps aside
+    model.moe_layers[1].cpu_experts = experts
+    assert model.decode_stack.same_experts()
     model.moe_layers[1].cpu_experts = None
     with pytest.raises(ValueError, match="not every MLP runs on the tile kernel or the CPU router and MoE kernel"):
         DecodeStack(model)
