@@ -17,11 +17,16 @@ from pagedmoe.layers.decode_stack import DecodeStack, attach_decode_stack
 from test_decode_block import NUM_NEW, check_speculative_verify_rows, count_rows, generate, on_tile_kernels
 
 
+def saved_reference(name: str, config, tmp_path_factory):
+    """The tiny random model saved (its path), HF's model and six prompts."""
+    path = tmp_path_factory.mktemp(name)
+    model = save_random_model(config, path, seed=3)
+    return str(path), model, make_prompts(6, seed=5, max_len=30)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def reference(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = save_random_model(tiny_dense_config(request.param), path, seed=3)
-    return str(path), model, make_prompts(6, seed=5, max_len=30)
+    return saved_reference(request.param, tiny_dense_config(request.param), tmp_path_factory)
 
 
 def stacked(llm: LLM, amx: bool = True):
@@ -38,14 +43,22 @@ def stacked(llm: LLM, amx: bool = True):
     return model
 
 
-@pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
-def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
+def run_stacked(reference, dtype: str, amx: bool, attach, monkeypatch, run=generate):
+    """An engine on the reference's model with attach's kernels and stack: it, the model and run's output, whose
+    decode steps ran in the stack and prefill steps did not."""
     path, _, prompts = reference
     llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
-    model = stacked(llm, amx)
+    model = attach(llm, amx)
     rows = count_rows(monkeypatch, DecodeStack)
-    fused = generate(llm, prompts)
-    assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)  # decodes in the stack, prefill steps not
+    output = run(llm, prompts)
+    assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)
+    return llm, model, output
+
+
+@pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
+def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
+    prompts = reference[2]
+    llm, model, fused = run_stacked(reference, dtype, amx, stacked, monkeypatch)
     model.decode_stack = None
     assert generate(llm, prompts) == fused
     for layer in model.layers:
@@ -53,14 +66,19 @@ def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
     assert generate(llm, prompts) == fused
 
 
-def test_the_stack_matches_hf_greedy(reference, monkeypatch):
+def check_hf_greedy(reference, attach, monkeypatch):
+    """Float32 greedy tokens with the stack running (attach puts it in place), preemptions included, are HF's."""
     path, model, prompts = reference
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
-    stacked(llm)
+    attach(llm)
     rows = count_rows(monkeypatch, DecodeStack)
     tokens = [out[0] for out in generate(llm, prompts)]
     assert any(rows)
     assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+
+
+def test_the_stack_matches_hf_greedy(reference, monkeypatch):
+    check_hf_greedy(reference, stacked, monkeypatch)
 
 
 def test_the_stack_steps_aside_over_a_kernels_rows(reference, monkeypatch):
@@ -133,9 +151,7 @@ def test_the_engine_attaches_the_stack_where_the_kernels_run(tmp_path):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe_reference(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = save_random_model(TINY_MOE_CONFIGS[request.param](), path, seed=3)
-    return str(path), model, make_prompts(6, seed=5, max_len=30)
+    return saved_reference(request.param, TINY_MOE_CONFIGS[request.param](), tmp_path_factory)
 
 
 def moe_stacked(llm: LLM, amx: bool = True):
@@ -159,12 +175,8 @@ def generate_counting(llm: LLM, prompts: list[list[int]]):
 
 @pytest.mark.parametrize("dtype, amx", [("float32", False), ("bfloat16", True), ("bfloat16", False)])
 def test_the_moe_stack_equals_the_layers(moe_reference, dtype, amx, monkeypatch):
-    path, _, prompts = moe_reference
-    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
-    model = moe_stacked(llm, amx)
-    rows = count_rows(monkeypatch, DecodeStack)
-    fused, load = generate_counting(llm, prompts)
-    assert sum(map(bool, rows)) >= NUM_NEW - 1 and not all(rows)
+    prompts = moe_reference[2]
+    llm, model, (fused, load) = run_stacked(moe_reference, dtype, amx, moe_stacked, monkeypatch, generate_counting)
     # top-2 of every token the first layer ran; the last layer runs only the rows sampled from
     assert [sum(load[0]), sum(load[-1])] == [2 * sum(len(p) + NUM_NEW - 1 for p in prompts), 2 * len(prompts) * NUM_NEW]
     model.decode_stack = None
@@ -172,13 +184,7 @@ def test_the_moe_stack_equals_the_layers(moe_reference, dtype, amx, monkeypatch)
 
 
 def test_the_moe_stack_matches_hf_greedy(moe_reference, monkeypatch):
-    path, model, prompts = moe_reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14, preemption_mode="recompute")
-    moe_stacked(llm)
-    rows = count_rows(monkeypatch, DecodeStack)
-    tokens = [out[0] for out in generate(llm, prompts)]
-    assert any(rows)
-    assert tokens == [hf_greedy(model, p, NUM_NEW) for p in prompts]
+    check_hf_greedy(moe_reference, moe_stacked, monkeypatch)
 
 
 def test_the_moe_stack_takes_the_rows_its_kernels_take(moe_reference):
