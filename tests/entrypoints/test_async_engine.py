@@ -130,3 +130,23 @@ def test_an_idle_engine_keeps_its_snapshot_and_only_moves_its_time(engine, monke
     num_taken_idle = run(client, idle_then_serve())
     assert len(taken) > num_taken_idle
     assert_all_blocks_free(engine)
+
+
+def test_from_engine_args_builds_the_engine_off_the_callers_thread(text_model, monkeypatch):
+    """The server's main thread runs no OpenMP region (async_engine.off_main_thread): the engine is built on a
+    thread of its own, which then ends; a build error still reaches the caller."""
+    builders, build = [], LLMEngine.from_engine_args
+
+    def recorded(*args, **kwargs):
+        builders.append(threading.current_thread())
+        return build(*args, **kwargs)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", recorded)
+    client = AsyncLLMEngine.from_engine_args(text_model[0], dtype="float32", num_kv_blocks=64).start()
+    assert builders[0] is not threading.current_thread() and not builders[0].is_alive()
+
+    async def generate():
+        stream = await client.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        return [output async for output in stream][-1].outputs[0].token_ids
+    assert len(run(client, generate())) == 3
+    with pytest.raises(ValueError, match="dtype"):
+        AsyncLLMEngine.from_engine_args(text_model[0], dtype="float13")
