@@ -317,7 +317,7 @@ def off_main_thread(build):
         except BaseException as error:  # re-raised on the caller's thread
             result["error"] = error
 
-    thread = threading.Thread(target=run, name="pagedmoe-engine-build")
+    thread = threading.Thread(target=run, name="pagedmoe-engine-build", daemon=True)  # Ctrl-C during a load exits
     thread.start()
     thread.join()
     if "error" in result:
