@@ -42,13 +42,8 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def on_moe_kernel(moe) -> bool:
-    """Routed experts alone on the CPU router and fused-MoE kernel: no shared experts, expert or data
-    parallelism, offloading, 4-bit or Triton experts."""
-    if not isinstance(moe, FusedMoE) or moe.cpu_router is None or moe.cpu_experts is None:
-        return False
-    return all(getattr(moe, name) is None for name in (
-        "shared_experts", "expert_map", "token_exchange", "expert_cache", "fp4_experts", "triton_experts"))
+def on_moe_kernel(mlp) -> bool:
+    return isinstance(mlp, FusedMoE) and mlp.on_cpu_kernels_only()
 
 
 def on_tile_kernel(mlp) -> bool:
@@ -78,9 +73,7 @@ def moe_args(moe: FusedMoE, dtype: torch.dtype) -> tuple[MlpArgs, list]:
 
 def max_mlp_rows(mlp) -> int:
     if isinstance(mlp, FusedMoE):
-        experts = mlp.cpu_experts
-        return cpu_router.MAX_TOKENS if experts.amx_fn is not None else min(
-            cpu_router.MAX_TOKENS, experts.max_pairs // mlp.router.top_k)
+        return min(cpu_router.MAX_TOKENS, mlp.cpu_experts.max_tokens(mlp.router.top_k))
     return min(p.cpu_kernel.max_rows for p in (mlp.gate_up_proj, mlp.down_proj))
 
 
@@ -135,11 +128,13 @@ class DecodeStack:
         return all(moe.cpu_experts is experts and moe.expert_map is None for moe, experts in self.experts)
 
     def expert_loads(self, meta: AttentionMetadata):
-        """Each layer's row of the step's expert load (MoEBlock counts into it), or null."""
+        """Each layer's row of the step's expert load (MoEBlock counts into it; contiguous, see applies), or
+        null."""
         load = meta.expert_load
         if load is None:
             return None
-        return (ctypes.c_void_p * len(self.blocks))(*(None if i is None else load[i].data_ptr()
+        base, row_bytes = load.data_ptr(), load.stride(0) * load.element_size()
+        return (ctypes.c_void_p * len(self.blocks))(*(None if i is None else base + i * row_bytes
                                                       for i in self.moe_indices))
 
 

@@ -109,7 +109,11 @@ class CpuFusedMoE:
         """Whether this batch runs here: decode-sized, or any size on AMX (and no autograd)."""
         if torch.is_grad_enabled() and x.requires_grad:
             return False
-        return self.amx_fn is not None or topk_ids.numel() <= self.max_pairs
+        return topk_ids.shape[0] <= self.max_tokens(topk_ids.shape[1])
+
+    def max_tokens(self, top_k: int) -> int:
+        """The most tokens of top_k experts each that a call takes: any number on AMX tiles."""
+        return ANY_ROWS if self.amx_fn is not None else self.max_pairs // top_k
 
     def __call__(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if x.dtype != self.w13.dtype or x.shape[-1] != self.hidden:

@@ -127,6 +127,14 @@ class FusedMoE(nn.Module):
         self.packed_experts = None
         return True
 
+    def on_cpu_kernels_only(self) -> bool:
+        """Routed experts alone on the CPU router and fused-MoE kernel, as routed_output picks them: no shared
+        experts, expert or data parallelism, offloading, 4-bit or Triton experts."""
+        if self.cpu_router is None or self.cpu_experts is None:
+            return False
+        return all(getattr(self, name) is None for name in (
+            "shared_experts", "expert_map", "token_exchange", "expert_cache", "fp4_experts", "triton_experts"))
+
     def routed_output(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if self.expert_cache is not None:
             return self.expert_cache.forward(x, topk_weights, topk_ids, ACTIVATIONS[self.activation]).to(x.dtype)
