@@ -65,6 +65,27 @@ def test_sliding_window_and_sinks_match_the_reference(group_size, block_size, he
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80])  # the fast path and the generic loop
+def test_any_thread_count_splits_the_items_and_gives_the_same_output(head_dim):
+    """Each thread takes a run of whole items sized by their rows and prefetches along it: with 1 to 7 threads,
+    lengths far apart and a sliding window, every item is computed once and the output is bit-identical."""
+    q, cache, block_tables, seq_lens = make_problem(5, 2, 3, 4, head_dim, 120, torch.float32, seed=4)
+    longest = block_tables.shape[1] * 4
+    seq_lens = torch.tensor([longest, 1, 2, longest // 2 + 1, 3])
+    kernel, threads = PagedDecodeKernel(torch.float32), torch.get_num_threads()
+    try:
+        for window in (0, 5):
+            outs = []
+            for n in (1, 2, 3, 7):
+                torch.set_num_threads(n)
+                outs.append(kernel(q, cache, block_tables, seq_lens, 0.125, window=window))
+            assert all(torch.equal(outs[0], out) for out in outs[1:])
+            torch.testing.assert_close(outs[0], reference(q, cache, block_tables, seq_lens, 0.125, window),
+                                       atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_sinks_raise_value_errors():
     q, cache, block_tables, seq_lens = make_problem(2, 2, 2, 4, 8, 10, torch.float32, seed=2)
     with pytest.raises(ValueError, match="sinks"):

@@ -1,7 +1,8 @@
 // Decode attention over a paged KV cache that reads each sequence's blocks in place, with no gather.
 // One layer's cache: [2 * num_kv_heads, num_blocks, block_size, head_dim], K heads then V heads.
 // A work item is one (sequence, KV head): the scores of its query heads over the context, an exact
-// softmax, then the probability-weighted sum of V, accumulated in float32. A sliding-window layer
+// softmax, then the probability-weighted sum of V, accumulated in float32. Each thread takes a run of whole
+// items, and prefetches along the rows it will read (Ahead). A sliding-window layer
 // (window > 0) attends the last `window` positions only; attention sinks (gpt-oss: one logit per query
 // head) join each softmax's denominator and nothing else.
 // Built and loaded by pagedmoe/layers/attention/cpu_kernel.py.
@@ -10,6 +11,8 @@
 #include <cstring>
 #include <algorithm>
 #include <memory>
+
+#include <omp.h>
 
 #include "../../csrc/tile_gemm.h"
 
@@ -42,11 +45,12 @@ int64_t head_dim_of(const Shape &s) { return HEAD_DIM ? HEAD_DIM : s.head_dim; }
 // a block a table read. No division per row: a 64-bit divide takes up to 45 cycles on Zen 1.
 template <typename T>
 class Rows {
-    const T *head, *block_row;
-    const int64_t *table;
-    int64_t block, offset, block_size, dim;
+    const T *head = nullptr, *block_row = nullptr;
+    const int64_t *table = nullptr;
+    int64_t block = 0, offset = 0, block_size = 0, dim = 0;
 
   public:
+    Rows() = default;
     Rows(const T *head, const int64_t *table, int64_t t, const Shape &s)
         : head(head), table(table), block(t / s.block_size), offset(t % s.block_size), block_size(s.block_size),
           dim(s.head_dim) {
@@ -58,30 +62,70 @@ class Rows {
     }
 };
 
-// Rows from position first to len, each call prefetching into L2 the row PREFETCH_BYTES later (one block of
-// float32 rows of 64; 16 rows of 64 in bf16 were 10% slower than 32). One row at a time: a block's worth of
-// prefetches at once fills the line-fill buffers and stalls the core. Into L2, not L1: on a Zen 4 EPYC
-// (AVX-512) prefetcht0 left the walk at 18.5 GB/s where prefetcht1 reached 24.3 (1.3x per layer at 64
-// sequences); an AVX2 Zen 1, where the walk is bound by its arithmetic, timed every hint alike.
-constexpr int64_t PREFETCH_BYTES = 4096;
+// The context one query attends: the whole sequence, or its last s.window positions.
+inline int64_t first_position(int64_t len, const Shape &s) {
+    return s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+}
 
+// How far ahead of its reads a thread prefetches into L2. Into L2, not L1: on a Zen 4 EPYC (AVX-512)
+// prefetcht0 left the walk at 18.5 GB/s where prefetcht1 reached 24.3; 8-64 KB timed alike there.
+constexpr int64_t PREFETCH_BYTES = 16384;
+
+// One thread's reads in order, as one stream: for each of its items (sequence, KV head) the K rows of the
+// context, then its V rows (pos 2 * item and 2 * item + 1). step() prefetches the row PREFETCH_BYTES ahead of
+// the reads, one row a call (a block's worth at once fills the line-fill buffers and stalls the core), across
+// passes and items, so memory stays busy while the thread computes and a pass starts on rows already in L2:
+// 1.1-1.25x a layer against prefetching within each pass, on a Zen 4 EPYC at 16-64 sequences.
 template <typename T>
-class RowWalk {
-    Rows<T> rows, ahead;
-    int64_t ahead_left, row_bytes;
+class Ahead {
+    const T *cache;
+    const int64_t *block_tables, *seq_lens;
+    const Shape &s;
+    int64_t pos, end, left = 0;
+    Rows<T> rows;
 
-    static int64_t distance(const Shape &s) { return std::max<int64_t>(1, PREFETCH_BYTES / (sizeof(T) * s.head_dim)); }
+    // To the first pass from pos with rows to read, or to the end.
+    void seek() {
+        for (; pos < end; pos++) {
+            const int64_t item = pos / 2, seq = item / s.num_kv_heads, len = seq_lens[seq];
+            const int64_t first = first_position(len, s), head = pos % 2 * s.num_kv_heads + item % s.num_kv_heads;
+            left = len - first;
+            if (left == 0) continue;
+            const T *head_rows = cache + head * s.num_blocks * s.block_size * s.head_dim;
+            rows = Rows<T>(head_rows, block_tables + seq * s.max_blocks, first, s);
+            return;
+        }
+    }
 
   public:
-    RowWalk(const T *head, const int64_t *table, int64_t first, int64_t len, const Shape &s)
-        : rows(head, table, first, s),
-          ahead(head, table, first + distance(s) < len ? first + distance(s) : first, s),
-          ahead_left(len - first - distance(s)), row_bytes(int64_t(sizeof(T)) * s.head_dim) {}
+    Ahead(const T *cache, const int64_t *block_tables, const int64_t *seq_lens, const Shape &s, int64_t first_item,
+          int64_t end_item)
+        : cache(cache), block_tables(block_tables), seq_lens(seq_lens), s(s), pos(2 * first_item), end(2 * end_item) {
+        seek();
+        for (int64_t i = 0; i < PREFETCH_BYTES / int64_t(sizeof(T) * s.head_dim); i++) step();
+    }
+    // Not inlined: GCC then versioned the generic path's loops on the stream's state, and the versions'
+    // vectorized sums round differently, so an item's output depended on the items after it. No cost measured.
+    __attribute__((noinline)) void step() {
+        if (pos >= end) return;
+        const char *row = reinterpret_cast<const char *>(rows.next());
+        for (int64_t line = 0; line < int64_t(sizeof(T)) * s.head_dim; line += 64)
+            __builtin_prefetch(row + line, 0, 2);
+        if (--left == 0) pos++, seek();
+    }
+};
+
+// Rows from position first to len, each call stepping the thread's prefetch stream (or none).
+template <typename T>
+class RowWalk {
+    Rows<T> rows;
+    Ahead<T> *ahead;
+
+  public:
+    RowWalk(const T *head, const int64_t *table, int64_t first, const Shape &s, Ahead<T> *ahead)
+        : rows(head, table, first, s), ahead(ahead) {}
     const T *next() {
-        if (ahead_left-- > 0) {
-            const char *row = reinterpret_cast<const char *>(ahead.next());
-            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
-        }
+        if (ahead) ahead->step();
         return rows.next();
     }
 };
@@ -89,9 +133,9 @@ class RowWalk {
 // The generic path (any head size): one dot product per position and query head.
 template <int HEAD_DIM, typename T>
 void scores_of(const float *q, const T *k_head, const int64_t *table, int64_t first, int64_t len,
-               const Shape &s, float *scores) {
+               const Shape &s, float *scores, Ahead<T> *ahead) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
-    RowWalk<T> rows(k_head, table, first, len, s);
+    RowWalk<T> rows(k_head, table, first, s, ahead);
     for (int64_t t = 0; t < n; t++) {
         const T *row = rows.next();
         for (int64_t g = 0; g < s.group_size; g++) {
@@ -123,10 +167,10 @@ void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t stride, cons
 
 template <int HEAD_DIM, typename T>
 void weighted_values(const float *probs, const T *v_head, const int64_t *table, int64_t first, int64_t len,
-                     const Shape &s, float *acc) {
+                     const Shape &s, float *acc, Ahead<T> *ahead) {
     const int64_t dim = head_dim_of<HEAD_DIM>(s), n = len - first;
     std::memset(acc, 0, sizeof(float) * s.group_size * dim);
-    RowWalk<T> rows(v_head, table, first, len, s);
+    RowWalk<T> rows(v_head, table, first, s, ahead);
     for (int64_t t = 0; t < n; t++) {
         const T *row = rows.next();
         for (int64_t g = 0; g < s.group_size; g++)
@@ -175,11 +219,11 @@ inline fvec sum_lanes(fvec *p) {
 // rows are `stride` apart, stride >= len - first rounded up to VLEN.
 template <int N, int HEADS, typename T>
 void scores_pass(const float *q, const T *k_head, const int64_t *table, int64_t first, int64_t len,
-                 const Shape &s, float *scores, int64_t stride) {
+                 const Shape &s, float *scores, int64_t stride, Ahead<T> *ahead) {
     fvec qv[HEADS][N], part[HEADS][VLEN];
     for (int g = 0; g < HEADS; g++)
         for (int n = 0; n < N; n++) qv[g][n] = load(q + (g * N + n) * VLEN);
-    RowWalk<T> rows(k_head, table, first, len, s);
+    RowWalk<T> rows(k_head, table, first, s, ahead);
     for (int64_t base = 0; base < len - first; base += VLEN) {
         const int count = int(std::min<int64_t>(VLEN, len - first - base));
         for (int i = 0; i < VLEN; i++) {
@@ -217,11 +261,11 @@ constexpr int slice_of(int n, int heads) {
 // SLICE vectors of each row from vector n0.
 template <int N, int SLICE, int HEADS, typename T>
 void values_sweep(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
-                  int64_t len, const Shape &s, int n0, float *acc) {
+                  int64_t len, const Shape &s, int n0, float *acc, Ahead<T> *ahead) {
     fvec sum[HEADS][SLICE];
     for (int g = 0; g < HEADS; g++)
         for (int n = 0; n < SLICE; n++) sum[g][n] = fvec{};
-    RowWalk<T> rows(v_head, table, first, len, s);
+    RowWalk<T> rows(v_head, table, first, s, ahead);
     for (int64_t t = 0; t < len - first; t++) {
         const T *row = rows.next() + n0 * VLEN;
         fvec p[HEADS];
@@ -240,56 +284,82 @@ void values_sweep(const float *probs, int64_t stride, const T *v_head, const int
 // Each sum still adds its positions in order, so the outputs do not depend on the slicing.
 template <int N, int HEADS, typename T>
 void values_pass(const float *probs, int64_t stride, const T *v_head, const int64_t *table, int64_t first,
-                 int64_t len, const Shape &s, float *acc) {
+                 int64_t len, const Shape &s, float *acc, Ahead<T> *ahead) {
     constexpr int SLICE = slice_of(N, HEADS);
     for (int n0 = 0; n0 < N; n0 += SLICE)
-        values_sweep<N, SLICE, HEADS>(probs, stride, v_head, table, first, len, s, n0, acc);
+        values_sweep<N, SLICE, HEADS>(probs, stride, v_head, table, first, len, s, n0, acc, n0 ? nullptr : ahead);
 }
 
 // One (sequence, KV head) on the fast path, its query heads in passes of up to HEADS.
 template <int N, int HEADS = std::max(1, PASS_VECTORS / N), typename T>
 void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_t *table, int64_t first,
-                 int64_t len, const Shape &s, const float *sinks, float *scores, float *acc) {
+                 int64_t len, const Shape &s, const float *sinks, float *scores, float *acc, Ahead<T> *ahead) {
     const int64_t stride = (len - first + VLEN - 1) / VLEN * VLEN, dim = N * VLEN;
     for (int64_t g = 0; g < s.group_size; g += HEADS)
         for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
-            scores_pass<N, heads.value>(qf + g * dim, k_head, table, first, len, s, scores + g * stride, stride);
+            scores_pass<N, heads.value>(qf + g * dim, k_head, table, first, len, s, scores + g * stride, stride,
+                                        g ? nullptr : ahead);
         });
     softmax_rows(scores, s.group_size, len - first, stride, sinks);
     for (int64_t g = 0; g < s.group_size; g += HEADS)
         for_heads<HEADS>(int(std::min<int64_t>(HEADS, s.group_size - g)), [&](auto heads) {
-            values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, first, len, s, acc + g * dim);
+            values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, first, len, s, acc + g * dim,
+                                        g ? nullptr : ahead);
         });
 }
 
-// The context one query attends: the whole sequence, or its last s.window positions.
-inline int64_t first_position(int64_t len, const Shape &s) {
-    return s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+// The rows an item (sequence, KV head) reads: its context, once for K and once for V.
+inline int64_t item_rows(const int64_t *seq_lens, int64_t item, const Shape &s) {
+    const int64_t len = seq_lens[item / s.num_kv_heads];
+    return len - first_position(len, s);
+}
+
+// Where thread k of n starts: items are split in order, whole, about total / n rows to a thread. Static, not
+// claimed one by one, so that each thread knows what it reads next (Ahead).
+inline int64_t thread_start(const int64_t *seq_lens, const Shape &s, int64_t total, int k, int n) {
+    const int64_t items = s.num_seqs * s.num_kv_heads;
+    if (k == n) return items;
+    int64_t item = 0;
+    for (int64_t seen = 0; item < items && seen * n < total * k; item++) seen += item_rows(seq_lens, item, s);
+    return item;
+}
+
+// One item: the attention of its query heads over its context, into out.
+template <int HEAD_DIM, typename T>
+void attend_item(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
+                 const Shape &s, float scale, const float *sinks, int64_t item, Ahead<T> *ahead) {
+    constexpr bool FAST = HEAD_DIM > 0 && HEAD_DIM % VLEN == 0;
+    const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, width = s.group_size * s.head_dim;
+    const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads, len = seq_lens[seq];
+    const int64_t first = first_position(len, s), stride = (len - first + VLEN - 1) / VLEN * VLEN;
+    const int64_t *table = block_tables + seq * s.max_blocks;
+    const float *head_sinks = sinks ? sinks + kv_head * s.group_size : nullptr;
+    const std::unique_ptr<float[]> buffer(new float[2 * width + s.group_size * stride]);  // not zeroed
+    float *qf = buffer.get(), *acc = qf + width, *scores = acc + width;
+    for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
+    const T *k_head = cache + kv_head * head_stride, *v_head = cache + (s.num_kv_heads + kv_head) * head_stride;
+    if constexpr (FAST) {
+        attend_fast<HEAD_DIM / VLEN>(qf, k_head, v_head, table, first, len, s, head_sinks, scores, acc, ahead);
+    } else {
+        scores_of<HEAD_DIM>(qf, k_head, table, first, len, s, scores, ahead);
+        softmax_rows(scores, s.group_size, len - first, len - first, head_sinks);
+        weighted_values<HEAD_DIM>(scores, v_head, table, first, len, s, acc, ahead);
+    }
+    for (int64_t i = 0; i < width; i++) store(out[item * width + i], acc[i]);
 }
 
 template <int HEAD_DIM, typename T>
 void paged_decode(const T *q, const T *cache, const int64_t *block_tables, const int64_t *seq_lens, T *out,
                   const Shape &s, float scale, const float *sinks, int num_threads) {
-    constexpr bool FAST = HEAD_DIM > 0 && HEAD_DIM % VLEN == 0;
-    const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, width = s.group_size * s.head_dim;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < s.num_seqs * s.num_kv_heads; item++) {
-        const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads, len = seq_lens[seq];
-        const int64_t first = first_position(len, s), stride = (len - first + VLEN - 1) / VLEN * VLEN;
-        const int64_t *table = block_tables + seq * s.max_blocks;
-        const float *head_sinks = sinks ? sinks + kv_head * s.group_size : nullptr;
-        const std::unique_ptr<float[]> buffer(new float[2 * width + s.group_size * stride]);  // not zeroed
-        float *qf = buffer.get(), *acc = qf + width, *scores = acc + width;
-        for (int64_t i = 0; i < width; i++) qf[i] = to_float(q[item * width + i]) * scale;
-        const T *k_head = cache + kv_head * head_stride, *v_head = cache + (s.num_kv_heads + kv_head) * head_stride;
-        if constexpr (FAST) {
-            attend_fast<HEAD_DIM / VLEN>(qf, k_head, v_head, table, first, len, s, head_sinks, scores, acc);
-        } else {
-            scores_of<HEAD_DIM>(qf, k_head, table, first, len, s, scores);
-            softmax_rows(scores, s.group_size, len - first, len - first, head_sinks);
-            weighted_values<HEAD_DIM>(scores, v_head, table, first, len, s, acc);
-        }
-        for (int64_t i = 0; i < width; i++) store(out[item * width + i], acc[i]);
+    int64_t total = 0;
+    for (int64_t item = 0; item < s.num_seqs * s.num_kv_heads; item++) total += item_rows(seq_lens, item, s);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t first = thread_start(seq_lens, s, total, t, n), end = thread_start(seq_lens, s, total, t + 1, n);
+        Ahead<T> ahead(cache, block_tables, seq_lens, s, first, end);
+        for (int64_t item = first; item < end; item++)
+            attend_item<HEAD_DIM>(q, cache, block_tables, seq_lens, out, s, scale, sinks, item, &ahead);
     }
 }
 
