@@ -6,13 +6,17 @@
 // decode_stack runs every layer of a model so, its MLP (dense, or sparse: router and fused experts) and residual
 // add included, in one call.
 // Built and loaded by pagedmoe/layers/attention/decode_block.py (and layers/decode_stack.py).
+#include <atomic>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include <omp.h>
+
 #include "../../csrc/amx_tile.h"
 
-// The kernels' sources, each in its own namespace: their file-local helpers and shapes share names.
+// The kernels' sources, each in its own namespace: their file-local helpers and shapes share names. Their
+// system headers are included above, outside the namespaces.
 namespace linear_kernel {
 #include "../../csrc/linear.cpp"
 }

@@ -13,7 +13,10 @@
 // and is widened with integer shifts where it does not.
 // fused_moe_amx_bf16 runs the same steps on AMX tiles, for batches of any size: the pairs' rows are first
 // gathered in expert order, so each expert's rows are contiguous A tiles.
+#include <atomic>
 #include <vector>
+
+#include <omp.h>
 
 #include "../../csrc/amx_tile.h"
 
@@ -59,25 +62,45 @@ Buckets bucket(const int64_t *topk_ids, const Shape &s) {
 
 struct Task { int64_t expert, first_panel, end_panel; };
 
+// Tasks in order of their expert's pairs, most first: threads that claim from both ends (claim) then run an
+// expert with many rows, bound by arithmetic, beside one with few, bound by reading its weights, instead of
+// both on the same expert. 1.02-1.07x a layer at 16-64 tokens on a Zen 4 EPYC (AVX-512), 2 threads.
 std::vector<Task> tasks_of(const Buckets &b, int64_t num_panels, int64_t panel_bytes) {
     const int64_t group = std::max<int64_t>(1, TASK_BYTES / panel_bytes);
+    std::vector<int64_t> experts(b.start.size() - 1);
+    for (size_t e = 0; e < experts.size(); e++) experts[e] = int64_t(e);
+    auto load = [&](int64_t e) { return b.start[e + 1] - b.start[e]; };
+    std::stable_sort(experts.begin(), experts.end(), [&](int64_t x, int64_t y) { return load(x) > load(y); });
     std::vector<Task> tasks;
-    for (int64_t e = 0; e + 1 < int64_t(b.start.size()); e++)
-        for (int64_t j = 0; b.start[e + 1] > b.start[e] && j < num_panels; j += group)
+    for (int64_t e : experts)
+        for (int64_t j = 0; load(e) > 0 && j < num_panels; j += group)
             tasks.push_back({e, j, std::min(num_panels, j + group)});
     return tasks;
 }
 
+// Even threads take tasks from the front, odd ones from the back; -1 once none is left.
+int64_t claim(std::atomic<uint64_t> &ends, bool from_back) {
+    uint64_t seen = ends.load();
+    for (;;) {
+        const uint64_t front = seen & 0xffffffffu, back = seen >> 32;
+        if (front >= back) return -1;
+        const uint64_t next = from_back ? ((back - 1) << 32 | front) : (back << 32 | (front + 1));
+        if (ends.compare_exchange_weak(seen, next)) return int64_t(from_back ? back - 1 : front);
+    }
+}
+
 // Calls fn(e, j, n, r, acc) for every panel j of every active expert's weights w ([experts, num_panels, K, PANEL])
 // and each block of up to MAX_ROWS of that expert's pairs (pairs[r:r + n]); row m of the block is x's row
-// pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks. An expert's last block of 1-3
-// rows runs over a few adjacent panels at once (tile_panels), after their full blocks, while they are in L2.
+// pairs[r + m] / pairs_per_row. The threads share (expert, panel group) tasks, claimed from both ends. An
+// expert's last block of 1-3 rows runs over a few adjacent panels at once (tile_panels), after their full blocks,
+// while they are in L2.
 template <typename A, typename W, typename Fn>
 void for_each_expert_tile(const Buckets &b, int64_t num_panels, const A *x, int64_t pairs_per_row, int64_t K,
                           const W *w, int num_threads, Fn fn) {
     const std::vector<Task> tasks = tasks_of(b, num_panels, K * PANEL * sizeof(W));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (size_t i = 0; i < tasks.size(); i++) {
+    std::atomic<uint64_t> ends{uint64_t(tasks.size()) << 32};
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t i; (i = claim(ends, omp_get_thread_num() % 2 == 1)) >= 0;) {
         const Task &t = tasks[i];
         const int64_t first = b.start[t.expert], count = b.start[t.expert + 1] - first;
         const int64_t last = first + (count - 1) / MAX_ROWS * MAX_ROWS;  // the last block's first pair
