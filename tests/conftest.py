@@ -9,12 +9,24 @@ from pagedmoe import cpu_info
 from pagedmoe.engine.llm_engine import LLMEngine
 from pagedmoe.train.config import TrainConfig
 from pagedmoe.train.tokenizer import build_tokenizer
+from pagedmoe.worker import model_runner
 
 CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare_excerpt.txt"  # see tests/data/README.md
 
 VOCAB = 320
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
         "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. ") * 20
+
+
+@pytest.fixture(autouse=True)
+def fixed_engine_threads(monkeypatch):
+    """Engines built in a test keep their thread count. The governor drops a thread while another process (the
+    host, a kernel's compiler) holds a core, and MKL's float32 GEMM rounds differently at 1 and 2 threads (a 6-row
+    linear here), so two runs a test compares bit for bit could differ. tests/test_cpu_threads.py tests the
+    governor itself."""
+    governor = model_runner.ThreadGovernor
+    monkeypatch.setattr(model_runner, "ThreadGovernor",
+                        lambda max_threads, adaptive=True, **kwargs: governor(max_threads, False, **kwargs))
 
 
 def tiny_dense_config(arch: str, **overrides):
