@@ -67,6 +67,12 @@ inline int64_t first_position(int64_t len, const Shape &s) {
     return s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
 }
 
+// The rows an item (sequence, KV head) reads: its context, once for K and once for V.
+inline int64_t item_rows(const int64_t *seq_lens, int64_t item, const Shape &s) {
+    const int64_t len = seq_lens[item / s.num_kv_heads];
+    return len - first_position(len, s);
+}
+
 // How far ahead of its reads a thread prefetches into L2. Into L2, not L1: on a Zen 4 EPYC (AVX-512)
 // prefetcht0 left the walk at 18.5 GB/s where prefetcht1 reached 24.3; 8-64 KB timed alike there.
 constexpr int64_t PREFETCH_BYTES = 16384;
@@ -88,11 +94,11 @@ class Ahead {
     void seek() {
         for (; pos < end; pos++) {
             const int64_t item = pos / 2, seq = item / s.num_kv_heads, len = seq_lens[seq];
-            const int64_t first = first_position(len, s), head = pos % 2 * s.num_kv_heads + item % s.num_kv_heads;
-            left = len - first;
+            const int64_t head = pos % 2 * s.num_kv_heads + item % s.num_kv_heads;
+            left = item_rows(seq_lens, item, s);
             if (left == 0) continue;
             const T *head_rows = cache + head * s.num_blocks * s.block_size * s.head_dim;
-            rows = Rows<T>(head_rows, block_tables + seq * s.max_blocks, first, s);
+            rows = Rows<T>(head_rows, block_tables + seq * s.max_blocks, len - left, s);
             return;
         }
     }
@@ -306,12 +312,6 @@ void attend_fast(const float *qf, const T *k_head, const T *v_head, const int64_
             values_pass<N, heads.value>(scores + g * stride, stride, v_head, table, first, len, s, acc + g * dim,
                                         g ? nullptr : ahead);
         });
-}
-
-// The rows an item (sequence, KV head) reads: its context, once for K and once for V.
-inline int64_t item_rows(const int64_t *seq_lens, int64_t item, const Shape &s) {
-    const int64_t len = seq_lens[item / s.num_kv_heads];
-    return len - first_position(len, s);
 }
 
 // Where thread k of n starts: items are split in order, whole, about total / n rows to a thread. Static, not
