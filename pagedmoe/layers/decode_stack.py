@@ -4,7 +4,8 @@ projection on the tile kernel; sparse: the CPU router and the fused-MoE kernel) 
 and their order are those of the layers' modules, so the output is bit-identical; what goes is the Python and
 dispatch between the layers. That cost more than a microbenchmark of it shows: every wrapper and torch op after a
 kernel runs on caches the kernel's weights just flushed, ~0.5 ms a layer at 64 decodes against ~0.1 ms warm
-(qwen3-100m, float32, AVX2 EPYC); on a MoE model, ~10% of a float32 decode (qwen3-moe-100m-active, Zen 4)."""
+(qwen3-100m, float32, AVX2 EPYC); on a MoE model, ~10% of a float32 decode (qwen3-moe-100m-active, Zen 4).
+A dense model's larger steps on 2 threads run as two halves of the sequences, a thread each (in_halves)."""
 import ctypes
 
 import torch
@@ -77,6 +78,11 @@ def max_mlp_rows(mlp) -> int:
     return min(p.cpu_kernel.max_rows for p in (mlp.gate_up_proj, mlp.down_proj))
 
 
+# From this many decodes a dense stack on 2 threads runs in halves, a thread each (decode_stack_halves in
+# decode_block.cpp): 0.92-1.0x a step at 40-64 decodes, 1.01x at 32 (qwen3-100m float32 and bf16, Zen 4).
+HALVES_MIN_ROWS = 40
+
+
 class DecodeStack:
     """model: a DecoderForCausalLM (models/llama.py) whose layers all have decode blocks, and dense MLPs on the
     tile kernel or MoE blocks on the CPU router and MoE kernel. Call it in place of the loop over the layers:
@@ -102,6 +108,7 @@ class DecodeStack:
         self.max_rows = min(*mlp_rows, *(block.max_rows for block in self.blocks))
         self.moe_indices = [getattr(layer.mlp, "moe_index", None) for layer in layers]
         self.experts = [(layer.mlp, layer.mlp.cpu_experts) for layer in layers if isinstance(layer.mlp, FusedMoE)]
+        self.halves_min_rows = HALVES_MIN_ROWS
 
     def __call__(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
         if meta.aux_hidden_layers or meta.output_rows is not None or not self.applies(x, meta):
@@ -115,8 +122,13 @@ class DecodeStack:
         float_scratch = torch.empty(rows * self.float_width)
         self.fn(self.layer_args, self.mlp_args, caches, self.expert_loads(meta), ctypes.c_int64(len(self.blocks)),
                 ctypes.byref(step), ptr(x), ptr(out), ptr(scratch), ctypes.c_int64(self.block_width),
-                ptr(float_scratch), num_threads())
+                ptr(float_scratch), num_threads(), int(self.in_halves(rows)))
         return out
+
+    def in_halves(self, rows: int) -> bool:
+        """Whether the step runs as two halves, a thread each: a dense model on 2 threads, from
+        halves_min_rows decodes (each half's experts would read their weights again)."""
+        return not self.experts and num_threads().value == 2 and rows >= self.halves_min_rows
 
     def applies(self, x: Tensor, meta: AttentionMetadata) -> bool:
         load = meta.expert_load

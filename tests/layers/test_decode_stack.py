@@ -66,6 +66,27 @@ def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
     assert generate(llm, prompts) == fused
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dense_stack_in_halves_equals_it_whole(reference, dtype, monkeypatch):
+    """On 2 threads, from halves_min_rows decodes, a dense stack runs two halves of the sequences, a thread
+    each: the same tokens and logprobs as the stack whole and as the layers (11 prompts: halves of 5 and 6)."""
+    llm = LLM(reference[0], dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, num_threads=2)
+    model, prompts = stacked(llm, amx=False), make_prompts(11, seed=7, max_len=30)
+    halves, in_halves = [], DecodeStack.in_halves
+
+    def counted(stack, rows):
+        halves.append(in_halves(stack, rows))
+        return halves[-1]
+    monkeypatch.setattr(DecodeStack, "in_halves", counted)
+    model.decode_stack.halves_min_rows = 2
+    split = generate(llm, prompts)
+    assert any(halves)
+    model.decode_stack.halves_min_rows, halves[:] = 1 << 62, []
+    assert generate(llm, prompts) == split and halves and not any(halves)
+    model.decode_stack = None
+    assert generate(llm, prompts) == split
+
+
 def check_hf_greedy(reference, attach, monkeypatch):
     """Float32 greedy tokens with the stack running (attach puts it in place), preemptions included, are HF's."""
     path, model, prompts = reference
@@ -195,6 +216,7 @@ def test_the_moe_stack_takes_the_rows_its_kernels_take(moe_reference):
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
     model = moe_stacked(llm)
     experts = model.moe_layers[0].cpu_experts
+    assert not model.decode_stack.in_halves(64)  # each half's experts would read their weights again
     assert model.decode_stack.max_rows == min(cpu_router.MAX_TOKENS, experts.max_pairs // 2,
                                               model.layers[0].decode_block.max_rows)
     repacked = cpu_kernel.CpuFusedMoE(model.moe_layers[1].w13, model.moe_layers[1].w2)
