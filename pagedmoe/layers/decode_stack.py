@@ -101,8 +101,9 @@ class DecodeStack:
         self.layer_args = (LayerArgs * len(layers))(*(block.args for block in self.blocks))
         self.mlp_args = (MlpArgs * len(layers))(*(args for args, _ in mlps))
         self.tensors = [tensor for _, tensors in mlps for tensor in tensors]  # held: the structs point into them
-        self.intermediate = max(args.intermediate for args, _ in mlps)
+        intermediate = max(args.intermediate for args, _ in mlps)
         self.block_width = max(block.scratch_width for block in self.blocks)
+        self.scratch_width = 3 * self.hidden + self.block_width + intermediate  # per token, as the kernel lays it out
         self.float_width = max(block.float_scratch_width for block in self.blocks)
         mlp_rows = [max_mlp_rows(layer.mlp) for layer in layers]
         self.max_rows = min(*mlp_rows, *(block.max_rows for block in self.blocks))
@@ -118,11 +119,12 @@ class DecodeStack:
             return None
         caches = (ctypes.c_void_p * len(self.blocks))(*(meta.layer_cache(b.layer_idx).data_ptr() for b in self.blocks))
         out, rows = torch.empty_like(x), x.shape[0]
-        scratch = torch.empty(rows * (3 * self.hidden + self.block_width + self.intermediate), dtype=x.dtype)
+        scratch = torch.empty(rows * self.scratch_width, dtype=x.dtype)
         float_scratch = torch.empty(rows * self.float_width)
+        widths = (ctypes.c_int64 * 3)(self.block_width, self.scratch_width, self.float_width)
         self.fn(self.layer_args, self.mlp_args, caches, self.expert_loads(meta), ctypes.c_int64(len(self.blocks)),
-                ctypes.byref(step), ptr(x), ptr(out), ptr(scratch), ctypes.c_int64(self.block_width),
-                ptr(float_scratch), num_threads(), int(self.in_halves(rows)))
+                ctypes.byref(step), ptr(x), ptr(out), ptr(scratch), widths, ptr(float_scratch), num_threads(),
+                int(self.in_halves(rows)))
         return out
 
     def in_halves(self, rows: int) -> bool:

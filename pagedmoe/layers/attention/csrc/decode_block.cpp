@@ -225,6 +225,12 @@ void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_
     if (current != out) std::memcpy(out, current, sizeof(T) * n * hidden);
 }
 
+// Per-token scratch sizes, as decode_stack.py allocates them: decode_block's, decode_stack's (elements of T, the
+// block's included) and the float scratch's.
+struct Widths {
+    int64_t block, scratch, float_scratch;
+};
+
 // decode_stack for a dense model on 2 threads, with the step's sequences in two halves, each through every layer
 // on a thread of its own: one half's attention, bound by memory, runs beside the other half's projections, bound
 // by arithmetic: 0.92-1.0x a decode step at 40-64 decodes (qwen3-100m, float32 and bf16, Zen 4; 1.01x at 32).
@@ -232,15 +238,8 @@ void decode_stack(const Layer *layers, const Mlp *mlps, T *const *caches, int64_
 // weights again (1.05-1.1x slower). Every kernel computes each row on its own, so the output is bit-identical.
 template <typename T>
 void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches, int64_t num_layers, const Step &s,
-                         const T *x, T *out, T *scratch, int64_t block_width, float *float_scratch) {
+                         const T *x, T *out, T *scratch, const Widths &w, float *float_scratch) {
     const int64_t n = s.tokens, hidden = layers[0].hidden;
-    int64_t intermediate = 0, float_width = 0;  // per-token scratch widths, as decode_stack.py sizes them
-    for (int64_t l = 0; l < num_layers; l++) {
-        const Layer &y = layers[l];
-        intermediate = std::max(intermediate, mlps[l].intermediate);
-        float_width = std::max(float_width, 2 * y.hidden + (y.num_heads + 2 * y.num_kv_heads) * y.head_dim);
-    }
-    const int64_t width = 3 * hidden + block_width + intermediate;
 #pragma omp parallel num_threads(2)
     {
         const int64_t first = omp_get_thread_num() ? n / 2 : 0, end = omp_get_thread_num() ? n : n / 2;
@@ -248,8 +247,7 @@ void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches,
         half.positions += first, half.slots += first, half.seq_lens += first, half.tokens = end - first;
         half.block_tables += first * s.max_blocks;
         decode_stack(layers, mlps, caches, nullptr, num_layers, half, x + first * hidden, out + first * hidden,
-                     scratch + first * width, block_width,
-                     float_scratch ? float_scratch + first * float_width : nullptr, 1);
+                     scratch + first * w.scratch, w.block, float_scratch + first * w.float_scratch, 1);
     }
 }
 
@@ -263,12 +261,12 @@ void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches,
     }                                                                                                         \
     extern "C" void decode_stack_##SUFFIX(const Layer *layers, const Mlp *mlps, T *const *caches,              \
                                          int64_t *const *loads, int64_t num_layers, const Step *step,         \
-                                         const T *x, T *out, T *scratch, int64_t block_width,                 \
+                                         const T *x, T *out, T *scratch, const Widths *widths,                \
                                          float *float_scratch, int num_threads, int halves) {                 \
         if (halves)                                                                                           \
-            return decode_stack_halves(layers, mlps, caches, num_layers, *step, x, out, scratch, block_width, \
+            return decode_stack_halves(layers, mlps, caches, num_layers, *step, x, out, scratch, *widths,     \
                                        float_scratch);                                                        \
-        decode_stack(layers, mlps, caches, loads, num_layers, *step, x, out, scratch, block_width,           \
+        decode_stack(layers, mlps, caches, loads, num_layers, *step, x, out, scratch, widths->block,         \
                      float_scratch, num_threads);                                                          \
     }
 EXPORT(f32, float)
