@@ -39,39 +39,50 @@ void rms_norm(const T *x, const T *weight, T *out, int64_t rows, int64_t dim, fl
     rms_norm_heads(x, weight, out, rows, 1, dim, dim, eps, num_threads);
 }
 
-// x[t, h] = x * cos + rotate_half(x) * sin at position positions[t], in place; x's rows are row_stride apart
-// (q and k may be views into the qkv projection's output); cos and sin are [max_positions, head_dim] float32.
+// x[h] = x * cos + rotate_half(x) * sin for one token's heads (adjacent) at its cos and sin rows, in place.
 template <typename T>
-void rotary(T *x, const int64_t *positions, const float *cos_table, const float *sin_table, int64_t tokens, int64_t heads,
-            int64_t row_stride, int64_t head_dim, int num_threads) {
+void rotary_token(T *x, const float *cos, const float *sin, int64_t heads, int64_t head_dim) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim > 32768)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_table + positions[t] * head_dim, *sin = sin_table + positions[t] * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            T *v = x + t * row_stride + h * head_dim;
+    for (int64_t h = 0; h < heads; h++) {
+        T *v = x + h * head_dim;
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = to_float(v[i]), b = to_float(v[i + half]);
-                store(v[i], a * cos[i] - b * sin[i]);
-                store(v[i + half], b * cos[i + half] + a * sin[i + half]);
-            }
+        for (int64_t i = 0; i < half; i++) {
+            const float a = to_float(v[i]), b = to_float(v[i + half]);
+            store(v[i], a * cos[i] - b * sin[i]);
+            store(v[i + half], b * cos[i + half] + a * sin[i + half]);
         }
     }
 }
 
-// New K and V rows into their cache slots: cache is [2 * kv_heads, head_slots, head_dim] (K heads, then V);
-// k and v are [tokens, kv_heads, head_dim] with rows k_stride / v_stride apart (views into qkv).
+// x[t, h] = x * cos + rotate_half(x) * sin at position positions[t], in place; x's rows are row_stride apart
+// (q and k may be views into the qkv projection's output); cos and sin are [max_positions, head_dim] float32.
+template <typename T>
+void rotary(T *x, const int64_t *positions, const float *cos_table, const float *sin_table, int64_t tokens,
+            int64_t heads, int64_t row_stride, int64_t head_dim, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim > 32768)
+    for (int64_t t = 0; t < tokens; t++)
+        rotary_token(x + t * row_stride, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
+                     heads, head_dim);
+}
+
+// One token's K and V rows into its cache slot: cache is [2 * kv_heads, head_slots, head_dim] (K heads, then V).
+template <typename T>
+void write_kv_token(const T *k, const T *v, int64_t slot, T *cache, int64_t kv_heads, int64_t head_dim,
+                    int64_t head_slots) {
+    const size_t bytes = sizeof(T) * head_dim;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        std::memcpy(cache + (h * head_slots + slot) * head_dim, k + h * head_dim, bytes);
+        std::memcpy(cache + ((kv_heads + h) * head_slots + slot) * head_dim, v + h * head_dim, bytes);
+    }
+}
+
+// New K and V rows into their cache slots; k and v are [tokens, kv_heads, head_dim] with rows k_stride / v_stride
+// apart (views into qkv).
 template <typename T>
 void write_kv(const T *k, const T *v, int64_t k_stride, int64_t v_stride, const int64_t *slots, T *cache,
               int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t head_slots) {
-    const size_t bytes = sizeof(T) * head_dim;
     for (int64_t t = 0; t < tokens; t++)
-        for (int64_t h = 0; h < kv_heads; h++) {
-            std::memcpy(cache + (h * head_slots + slots[t]) * head_dim, k + t * k_stride + h * head_dim, bytes);
-            std::memcpy(cache + ((kv_heads + h) * head_slots + slots[t]) * head_dim, v + t * v_stride + h * head_dim,
-                        bytes);
-        }
+        write_kv_token(k + t * k_stride, v + t * v_stride, slots[t], cache, kv_heads, head_dim, head_slots);
 }
 
 // The first index of each row's maximum (the first NaN if the row has one), as torch.argmax. Two vectorized

@@ -99,33 +99,50 @@ void project(const Proj &p, const T *x, T *out, float *scratch, int64_t rows, in
     linear_kernel::linear<false>(x, w, bias, out, shape, num_threads);
 }
 
-// RMSNorm of q and k in place: every head's row (per head), or each token's q and k rows (over all heads).
+// out = a + b in T, shared by the threads from a few dozen tokens.
 template <typename T>
-void qk_norms(const Layer &l, T *qkv, int64_t tokens, int64_t width, int num_threads) {
+void add(T *out, const T *a, const T *b, int64_t n, int num_threads) {
+#pragma omp parallel for simd num_threads(num_threads) if (n > 32768)
+    for (int64_t i = 0; i < n; i++) store(out[i], to_float(a[i]) + to_float(b[i]));
+}
+
+// RMSNorm of rows of dim in place.
+template <typename T>
+void norm_rows(T *x, const void *weight, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        pointwise_kernel::rms_norm_row(x + r * dim, (const T *)weight, x + r * dim, dim, eps);
+}
+
+// One token's q and k RMSNorm in place: every head's row (qk_norm 1, per head), or its q and its k (over all heads).
+template <typename T>
+void qk_norm_token(const Layer &l, T *q, T *k) {
+    const bool per_head = l.qk_norm == 1;
+    norm_rows(q, l.q_norm, per_head ? l.num_heads : 1, per_head ? l.head_dim : l.num_heads * l.head_dim, l.eps);
+    norm_rows(k, l.k_norm, per_head ? l.num_kv_heads : 1, per_head ? l.head_dim : l.num_kv_heads * l.head_dim, l.eps);
+}
+
+// Between the qkv projection and the attention, a token at a time in one parallel loop (each was a kernel of
+// its own, most too small to share between threads): q and k norms, neox rotary, the KV write, q into its own
+// rows.
+template <typename T>
+void prepare_qkv(const Layer &l, const Step &s, T *qkv, T *q, T *cache, int num_threads) {
     const int64_t q_size = l.num_heads * l.head_dim, kv_size = l.num_kv_heads * l.head_dim;
-    const T *q_norm = (const T *)l.q_norm, *k_norm = (const T *)l.k_norm;
-    for (int64_t t = 0; t < tokens; t++) {
-        T *q = qkv + t * width, *k = q + q_size;
-        if (l.qk_norm == 1) {
-            pointwise_kernel::rms_norm(q, q_norm, q, l.num_heads, l.head_dim, l.eps, num_threads);
-            pointwise_kernel::rms_norm(k, k_norm, k, l.num_kv_heads, l.head_dim, l.eps, num_threads);
-        } else {
-            pointwise_kernel::rms_norm(q, q_norm, q, 1, q_size, l.eps, num_threads);
-            pointwise_kernel::rms_norm(k, k_norm, k, 1, kv_size, l.eps, num_threads);
-        }
+    const int64_t width = q_size + 2 * kv_size, head_slots = s.num_blocks * s.block_size;
+#pragma omp parallel for num_threads(num_threads) if (s.tokens * width > 8192)
+    for (int64_t t = 0; t < s.tokens; t++) {
+        T *row = qkv + t * width, *k = row + q_size;
+        const float *cos = l.cos + s.positions[t] * l.head_dim, *sin = l.sin + s.positions[t] * l.head_dim;
+        if (l.qk_norm) qk_norm_token(l, row, k);
+        pointwise_kernel::rotary_token(row, cos, sin, l.num_heads, l.head_dim);
+        pointwise_kernel::rotary_token(k, cos, sin, l.num_kv_heads, l.head_dim);
+        pointwise_kernel::write_kv_token(k, k + kv_size, s.slots[t], cache, l.num_kv_heads, l.head_dim, head_slots);
+        std::memcpy(q + t * q_size, row, sizeof(T) * q_size);
     }
 }
 
 template <typename T>
 void attend(const Layer &l, const Step &s, T *qkv, T *q, T *cache, T *out, int num_threads) {
-    const int64_t q_size = l.num_heads * l.head_dim, kv_size = l.num_kv_heads * l.head_dim;
-    const int64_t width = q_size + 2 * kv_size, head_slots = s.num_blocks * s.block_size;
-    pointwise_kernel::rotary(qkv, s.positions, l.cos, l.sin, s.tokens, l.num_heads, width, l.head_dim, num_threads);
-    pointwise_kernel::rotary(qkv + q_size, s.positions, l.cos, l.sin, s.tokens, l.num_kv_heads, width, l.head_dim,
-                             num_threads);
-    pointwise_kernel::write_kv(qkv + q_size, qkv + q_size + kv_size, width, width, s.slots, cache, s.tokens,
-                               l.num_kv_heads, l.head_dim, head_slots);
-    for (int64_t t = 0; t < s.tokens; t++) std::memcpy(q + t * q_size, qkv + t * width, sizeof(T) * q_size);
+    prepare_qkv(l, s, qkv, q, cache, num_threads);
     const decode_kernel::Shape shape{s.tokens, s.max_blocks, l.num_kv_heads, l.num_heads / l.num_kv_heads,
                                      s.num_blocks, s.block_size, l.head_dim, l.window};
     decode_kernel::paged_decode_any(q, cache, s.block_tables, s.seq_lens, out, shape, l.scale, l.sinks, num_threads);
@@ -140,10 +157,9 @@ void decode_block(const Layer &l, const Step &s, const T *x, T *cache, T *out, T
     T *h = scratch, *qkv = h + n * l.hidden, *q = qkv + n * width, *attn = q + n * q_size;
     pointwise_kernel::rms_norm(x, (const T *)l.input_norm, h, n, l.hidden, l.eps, num_threads);
     project(l.qkv, h, qkv, float_scratch, n, width, l.hidden, num_threads);
-    if (l.qk_norm) qk_norms(l, qkv, n, width, num_threads);
     attend(l, s, qkv, q, cache, attn, num_threads);
     project(l.o, (const T *)attn, out, float_scratch, n, l.hidden, q_size, num_threads);
-    for (int64_t i = 0; i < n * l.hidden; i++) store(out[i], to_float(x[i]) + to_float(out[i]));
+    add(out, x, (const T *)out, n * l.hidden, num_threads);
     pointwise_kernel::rms_norm(out, (const T *)l.post_norm, normed, n, l.hidden, l.eps, num_threads);
 }
 
@@ -175,7 +191,7 @@ void mlp_block(const Mlp &m, const T *normed, T *x, T *scratch, int64_t n, int64
     else
         linear_kernel::gated_linear<false>(normed, gate_up, gated, shape, num_threads);
     project(m.down, (const T *)gated, down, nullptr, n, hidden, m.intermediate, num_threads);
-    for (int64_t i = 0; i < n * hidden; i++) store(x[i], to_float(x[i]) + to_float(down[i]));
+    add(x, (const T *)x, (const T *)down, n * hidden, num_threads);
 }
 
 // x += experts(normed): the MoE module's route (counts: the layer's expert load, added to, or null) and its
