@@ -81,6 +81,9 @@ def max_mlp_rows(mlp) -> int:
 # From this many decodes a dense stack on 2 threads runs in halves, a thread each (decode_stack_halves in
 # decode_block.cpp): 0.92-1.0x a step at 40-64 decodes, 1.01x at 32 (qwen3-100m float32 and bf16, Zen 4).
 HALVES_MIN_ROWS = 40
+# A decode's projections cost about as much as its attention over this many context tokens (qwen3-100m float32,
+# Zen 4: ~118 us a layer against ~0.14 us a token); the halves split the step's work so, not its rows.
+HALVES_ROW_TOKENS = 870
 
 
 class DecodeStack:
@@ -124,8 +127,17 @@ class DecodeStack:
         widths = (ctypes.c_int64 * 3)(self.block_width, self.scratch_width, self.float_width)
         self.fn(self.layer_args, self.mlp_args, caches, self.expert_loads(meta), ctypes.c_int64(len(self.blocks)),
                 ctypes.byref(step), ptr(x), ptr(out), ptr(scratch), widths, ptr(float_scratch), num_threads(),
-                int(self.in_halves(rows)))
+                self.halves_split(rows, meta.groups[0].seq_lens_tensor))
         return out
+
+    def halves_split(self, rows: int, seq_lens: Tensor) -> int:
+        """The first row of the second half, where the halves' projections and attention weigh about the same
+        (contexts differ by hundreds of tokens); 0 where the stack runs whole."""
+        if not self.in_halves(rows):
+            return 0
+        work = seq_lens + HALVES_ROW_TOKENS
+        middles = torch.cumsum(work, 0) - work // 2  # a row goes to the half its middle falls in
+        return min(max(int(torch.searchsorted(middles, work.sum() // 2)), 1), rows - 1)
 
     def in_halves(self, rows: int) -> bool:
         """Whether the step runs as two halves, a thread each: a dense model on 2 threads, from

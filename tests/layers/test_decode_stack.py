@@ -13,7 +13,7 @@ from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.moe import cpu_kernel, cpu_router
 from pagedmoe.layers.attention.metadata import MAX_SHORT_QUERY
 from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
-from pagedmoe.layers.decode_stack import DecodeStack, attach_decode_stack
+from pagedmoe.layers.decode_stack import HALVES_ROW_TOKENS, DecodeStack, attach_decode_stack
 from test_decode_block import NUM_NEW, check_speculative_verify_rows, count_rows, generate, on_tile_kernels
 
 
@@ -69,7 +69,7 @@ def test_the_stack_equals_the_layers(reference, dtype, amx, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_dense_stack_in_halves_equals_it_whole(reference, dtype, monkeypatch):
     """On 2 threads, from halves_min_rows decodes, a dense stack runs two halves of the sequences, a thread
-    each: the same tokens and logprobs as the stack whole and as the layers (11 prompts: halves of 5 and 6)."""
+    each: the same tokens and logprobs as the stack whole and as the layers (11 prompts, split by their work)."""
     llm = LLM(reference[0], dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, num_threads=2)
     model, prompts = stacked(llm, amx=False), make_prompts(11, seed=7, max_len=30)
     halves, in_halves = [], DecodeStack.in_halves
@@ -85,6 +85,20 @@ def test_a_dense_stack_in_halves_equals_it_whole(reference, dtype, monkeypatch):
     assert generate(llm, prompts) == split and halves and not any(halves)
     model.decode_stack = None
     assert generate(llm, prompts) == split
+
+
+def test_the_halves_split_a_step_by_its_work(reference):
+    """The second half starts where the rows' projections (HALVES_ROW_TOKENS each) and contexts are even;
+    0 (the stack whole) below halves_min_rows."""
+    llm = LLM(reference[0], dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False, num_threads=2)
+    stack = stacked(llm, amx=False).decode_stack
+    stack.halves_min_rows = 4
+    assert stack.halves_split(8, torch.full((8,), 100)) == 4
+    assert stack.halves_split(3, torch.full((3,), 100)) == 0
+    row = HALVES_ROW_TOKENS
+    assert stack.halves_split(8, torch.tensor([3 * row, 3 * row] + [0] * 6)) == 2  # 8 rows' work against 6
+    assert stack.halves_split(4, torch.tensor([0, 0, 0, 20 * row])) == 3  # never an empty half
+    assert stack.halves_split(5, torch.tensor([row, 0, 0, 0, 0])) == 2
 
 
 def check_hf_greedy(reference, attach, monkeypatch):

@@ -254,11 +254,11 @@ struct Widths {
 // weights again (1.05-1.1x slower). Every kernel computes each row on its own, so the output is bit-identical.
 template <typename T>
 void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches, int64_t num_layers, const Step &s,
-                         const T *x, T *out, T *scratch, const Widths &w, float *float_scratch) {
+                         const T *x, T *out, T *scratch, const Widths &w, float *float_scratch, int64_t split) {
     const int64_t n = s.tokens, hidden = layers[0].hidden;
 #pragma omp parallel num_threads(2)
     {
-        const int64_t first = omp_get_thread_num() ? n / 2 : 0, end = omp_get_thread_num() ? n : n / 2;
+        const int64_t first = omp_get_thread_num() ? split : 0, end = omp_get_thread_num() ? n : split;
         Step half = s;
         half.positions += first, half.slots += first, half.seq_lens += first, half.tokens = end - first;
         half.block_tables += first * s.max_blocks;
@@ -269,7 +269,7 @@ void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches,
 
 }  // namespace
 
-// halves: run decode_stack_halves (a dense model, 2 threads).
+// halves: 0, or run decode_stack_halves (a dense model, 2 threads) with the second half from row `halves`.
 #define EXPORT(SUFFIX, T)                                                                                    \
     extern "C" void decode_block_##SUFFIX(const Layer *layer, const Step *step, const T *x, T *cache, T *out, \
                                          T *normed, T *scratch, float *float_scratch, int num_threads) {     \
@@ -281,7 +281,7 @@ void decode_stack_halves(const Layer *layers, const Mlp *mlps, T *const *caches,
                                          float *float_scratch, int num_threads, int halves) {                 \
         if (halves)                                                                                           \
             return decode_stack_halves(layers, mlps, caches, num_layers, *step, x, out, scratch, *widths,     \
-                                       float_scratch);                                                        \
+                                       float_scratch, halves);                                                \
         decode_stack(layers, mlps, caches, loads, num_layers, *step, x, out, scratch, widths->block,         \
                      float_scratch, num_threads);                                                          \
     }
