@@ -29,6 +29,13 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row the argmax of its raw logits: greedy, no logprobs, penalties, masks, bias or drafts to
+        verify against a distribution."""
+        masks = (self.output_counts, self.banned, self.logit_bias, self.token_bitmask, self.draft_probs)
+        return self.max_num_logprobs < 0 and all(m is None for m in masks) and self.all_greedy
+
 
 @dataclass
 class SamplerOutput:

@@ -8,6 +8,7 @@ import torch
 from pagedmoe.config import EngineConfig
 from pagedmoe.layers.attention.decode_block import attach_decode_blocks
 from pagedmoe.layers.decode_stack import attach_decode_stack
+from pagedmoe.layers.greedy_head import attach_greedy_head
 from pagedmoe.layers.linear import attach_cpu_kernels, pack_weights
 from pagedmoe.layers.moe.layer import FusedMoE
 from pagedmoe.layers.moe.offload.setup import offload_experts
@@ -67,9 +68,15 @@ def finish_model(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Modul
             if config.cpu_attention_kernel and config.cpu_decode_block:
                 attach_decode_blocks(model)
                 attach_decode_stack(model)
+            if config.cpu_linear_kernel and config.cpu_greedy_head and unsharded(config):
+                attach_greedy_head(model)
         except RuntimeError as error:
             logger.warning("linear and MoE layers fall back to oneDNN / MKL: %s", error)
     return model
+
+
+def unsharded(config: EngineConfig) -> bool:
+    return config.tensor_parallel_size == 1 and config.data_parallel_size == 1
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:

@@ -49,6 +49,13 @@ class StepPlan:
     block_tables: list[list[int]]
     window_tables: list[list[int]] | None
     logits_rows: list[list[int]]
+    greedy: bool = False  # the sampled rows' tokens may come from the model's greedy head (layers/greedy_head.py)
+
+
+@dataclass
+class GreedyTokens:
+    """The sampled rows' argmax tokens, from the greedy head, in place of their logits."""
+    token_ids: torch.Tensor
 
 
 class ModelRunner:
@@ -249,24 +256,40 @@ class ModelRunner:
         self.num_steps += 1
         ends = [seq.num_computed_tokens + n for seq, n in zip(sched.seqs, sched.num_new_tokens)]
         prompt_rows = self._prompt_logprob_rows(sched, ends)
-        forward = self._forward_data_parallel if self.config.data_parallel_size > 1 else self._forward_step
-        hidden, meta, all_logits = forward(sched, ends, prompt_rows)
-        if self.eplb is not None:
-            self.eplb.record(meta.expert_load)
         sample_seqs = [s for s, end in zip(sched.seqs, ends) if end == len(s) + len(s.spec_token_ids)]
         num_samples = [_num_samples(seq) for seq in sample_seqs]
-        logits = all_logits[0]
-        if any(n > 1 for n in num_samples):  # a forking sequence has no drafts: its one row serves n samples
-            repeats = [r for seq, n in zip(sample_seqs, num_samples) for r in [n] * (1 + len(seq.spec_token_ids))]
-            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         batch = self._sampling_batch(sample_seqs, num_samples)
-        sampled = self.sampler(self._processed(logits, sample_seqs, num_samples), batch)
+        if self.config.data_parallel_size > 1:
+            hidden, meta, all_logits = self._forward_data_parallel(sched, ends, prompt_rows)
+        else:
+            greedy = not prompt_rows and self._takes_greedy_head(batch, sample_seqs, num_samples)
+            hidden, meta, all_logits = self._forward_step(sched, ends, prompt_rows, greedy)
+        if self.eplb is not None:
+            self.eplb.record(meta.expert_load)
+        sampled = self._sample(all_logits[0], sample_seqs, num_samples, batch)
         prompt_logprobs = self._prompt_logprobs(sched, prompt_rows, all_logits[1:])
         return ModelRunnerOutput(sample_seqs, num_samples, sampled, prompt_logprobs, meta.expert_load,
                                  self._drafter_hidden(hidden, meta))
 
-    def _forward_step(self, sched: SchedulerOutput, ends: list[int], prompt_rows):
+    def _sample(self, logits, sample_seqs: list[Sequence], num_samples: list[int], batch: SamplingBatch):
+        if isinstance(logits, GreedyTokens):
+            return SamplerOutput(logits.token_ids, None, None, None, None)
+        if any(n > 1 for n in num_samples):  # a forking sequence has no drafts: its one row serves n samples
+            repeats = [r for seq, n in zip(sample_seqs, num_samples) for r in [n] * (1 + len(seq.spec_token_ids))]
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+        return self.sampler(self._processed(logits, sample_seqs, num_samples), batch)
+
+    def _takes_greedy_head(self, batch: SamplingBatch, seqs: list[Sequence], num_samples: list[int]) -> bool:
+        """Whether the step's samples are argmaxes of the raw logits, which the greedy head gives (one process:
+        a rank's head holds part of the vocabulary)."""
+        if getattr(self.model, "greedy_head", None) is None or self.executor is not None:
+            return False
+        return batch.is_plain_greedy and all(n == 1 for n in num_samples) and \
+            not any(seq.params.logits_processors for seq in seqs)
+
+    def _forward_step(self, sched: SchedulerOutput, ends: list[int], prompt_rows, greedy: bool = False):
         plan = self._plan(sched, ends, [self._sample_rows(sched, ends)] + [rows for _, rows in prompt_rows])
+        plan.greedy = greedy
         if self.executor is not None:
             self.executor.broadcast(plan)
         return self.run_plan(plan)
@@ -343,6 +366,8 @@ class ModelRunner:
             meta.output_rows, logits_rows = self._output_rows(logits_rows, len(input_ids))
             hidden = self.model(input_ids, positions, meta)
         rows = [torch.tensor(r, dtype=torch.long, device=self.device) for r in logits_rows]
+        if plan.greedy and (tokens := self.model.greedy_head(hidden[rows[0]])) is not None:
+            return hidden, meta, [GreedyTokens(tokens)]
         return hidden, meta, [self.model.compute_logits(hidden[r]) for r in rows]
 
     def _output_rows(self, logits_rows: list[list[int]], num_tokens: int):

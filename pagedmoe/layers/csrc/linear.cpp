@@ -5,6 +5,8 @@
 // panel is in L2, so the weight is streamed from memory once per call.
 // Weights are packed by pagedmoe/layers/cpu_linear.py as [N / PANEL, K, PANEL] (bf16 in k-pairs where the
 // target has avx512_bf16). Shape.out_features is the output width: N, or I for the gated form.
+#include <memory>
+
 #include "amx_tile.h"
 
 namespace {
@@ -67,8 +69,8 @@ void for_each_tile(const T *x, const T *w, int64_t num_panels, const Shape &s, i
     }
 }
 
-template <bool AMX, typename T>
-void linear(const T *x, const T *w, const T *bias, T *out, const Shape &s, int num_threads) {
+template <bool AMX, typename T, typename O>
+void linear(const T *x, const T *w, const T *bias, O *out, const Shape &s, int num_threads) {
     for_each_tile<AMX>(x, w, s.out_features / PANEL, s, num_threads, [&](int64_t j, int64_t r, int n, const float *acc) {
         for (int m = 0; m < n; m++)
             for (int c = 0; c < PANEL; c++)
@@ -86,7 +88,63 @@ void gated_linear(const T *x, const T *w, T *out, const Shape &s, int num_thread
     });
 }
 
+// From the bits: -ffast-math lets the compiler assume every float is finite.
+inline bool finite(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return (bits & 0x7F800000u) != 0x7F800000u;
+}
+
+// The float32 products of row x with up to PANEL columns of W [N, K] (unpacked), gathered into a panel of their
+// own and run on the tile that computes every column of x W^T, so that each is bit-identical to linear<false>'s.
+void candidate_products(const float *x, const float *w, const int64_t *columns, int count, int64_t K, float *acc) {
+    thread_local std::unique_ptr<float[]> panel;  // lanes past count keep earlier (finite) values, never read
+    thread_local int64_t panel_k = 0;
+    if (panel_k < K) panel.reset(new float[K * PANEL]()), panel_k = K;
+    for (int c = 0; c < count; c++)
+        for (int64_t k = 0; k < K; k++) panel[k * PANEL + c] = w[columns[c] * K + k];
+    tile(1, &x, panel.get(), K, acc);
+}
+
+// The first column of row x's largest float32 product with W [N, K], x W^T, found from approx (the row of x W^T
+// from bf16 copies of x and W) and bound: no column's float32 product is further than bound * w_norms[n] from
+// its approx. Only the columns whose approx can still reach the largest lower bound are computed (a few).
+// -1 where the row's bounds are not finite (the caller then takes the full logits).
+int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, const float *w_norms, float bound,
+                           const Shape &s) {
+    const int64_t N = s.out_features, K = s.in_features;
+    float floor = approx[0] - bound * w_norms[0];
+#pragma omp simd reduction(max : floor)
+    for (int64_t n = 1; n < N; n++) floor = std::max(floor, approx[n] - bound * w_norms[n]);
+    if (!finite(floor) || !finite(bound)) return -1;
+    int64_t columns[PANEL], best = -1;
+    int count = 0;
+    alignas(64) float acc[PANEL];
+    float best_value = 0.0f;
+    for (int64_t j = 0; j < N; j += VLEN) {  // VLEN columns in one vector test, nearly all below the floor
+        int reaches = 0;
+#pragma omp simd reduction(| : reaches)
+        for (int c = 0; c < VLEN; c++) reaches |= approx[j + c] + bound * w_norms[j + c] >= floor;
+        for (int64_t n = j; reaches && n < j + VLEN; n++)
+            if (approx[n] + bound * w_norms[n] >= floor) columns[count++] = n;
+        if (count == 0 || (count + VLEN <= PANEL && j + VLEN < N)) continue;
+        candidate_products(x, w, columns, count, K, acc);
+        for (int c = 0; c < count; c++)
+            if (best < 0 || acc[c] > best_value) best = columns[c], best_value = acc[c];
+        count = 0;
+    }
+    return finite(best_value) ? best : -1;
+}
+
 }  // namespace
+
+// w: the float32 weight [N, K] as the model holds it; bounds: per row of x, the bound of bounded_argmax_row.
+extern "C" void bounded_argmax_f32(const float *x, const float *w, const float *approx, const float *w_norms,
+                                   const float *bounds, int64_t *out, Shape s, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < s.rows; r++)
+        out[r] = bounded_argmax_row(x + r * s.in_features, w, approx + r * s.out_features, w_norms, bounds[r], s);
+}
 
 extern "C" int linear_panel() { return PANEL; }
 extern "C" int linear_bf16_pairs() { return PAIRS; }
@@ -100,6 +158,14 @@ extern "C" int linear_amx() { return HAS_AMX && amx_ready(); }
     extern "C" void gated_##NAME(const T *x, const T *w, T *out, Shape shape, int num_threads) {         \
         gated_linear<AMX>(x, w, out, shape, num_threads);                                                 \
     }
+// bf16 x and W, float32 out (no bias): bounded_argmax's approx.
+extern "C" void linear_bf16_to_f32(const BF16 *x, const BF16 *w, float *out, Shape shape, int num_threads) {
+    linear<false>(x, w, (const BF16 *)nullptr, out, shape, num_threads);
+}
+extern "C" void linear_amx_bf16_to_f32(const BF16 *x, const BF16 *w, float *out, Shape shape, int num_threads) {
+    linear<true>(x, w, (const BF16 *)nullptr, out, shape, num_threads);
+}
+
 EXPORT(linear_f32, float, false)
 EXPORT(linear_bf16, BF16, false)
 EXPORT(linear_amx_bf16, BF16, true)
