@@ -1,33 +1,39 @@
-"""The greedy head (layers/greedy_head.py): greedy tokens from a bf16 LM head and a float32 check of the
-candidates its error bound leaves must be the argmax of the float32 logits of the full head (the tile kernel),
-first index on ties, on every row count; the engine takes it only for plain greedy steps, with HF's greedy
-tokens. It runs on every machine here (without bf16 dot products the bf16 tile widens its loads); the engine
-attaches it only where the CPU has them."""
+"""The greedy head (layers/greedy_head.py): greedy tokens from an int8 or bf16 LM head and a float32 check of
+the candidates its error bound leaves must be the argmax of the float32 logits of the full head (the tile
+kernel), first index on ties, on every row count, in the kernels as an AVX2 (x86-64-v3) and an AVX-512
+(x86-64-v4) machine build them; the engine takes it only for plain greedy steps, with HF's greedy tokens. The
+bf16 head runs on every machine here (without bf16 dot products the bf16 tile widens its loads); the engine
+attaches it only on AMX, and the int8 head from AVX2 up."""
 import pytest
 import torch
 
 from conftest import assert_all_blocks_free, hf_greedy, make_prompts, save_random_model, tiny_dense_config
 from pagedmoe import LLM, SamplingParams
-from pagedmoe.cpu_info import FLAGS_ENV, has_native_bf16
+from pagedmoe.cpu_info import FLAGS_ENV, detected_cpu_flags
 from pagedmoe.layers import cpu_linear
 from pagedmoe.layers.cpu_linear import ANY_ROWS, CpuLinear
-from pagedmoe.layers.greedy_head import GreedyHead, attach_greedy_head
+from pagedmoe.layers.greedy_head import GreedyHead, approximation_kind, attach_greedy_head
 
-VOCAB, HIDDEN = 2048, 256
+VOCAB, HIDDEN = 2048, 254  # 254: the int8 head pads its k-steps to quads
+TARGETS = [t for t in ("x86-64-v3", "x86-64-v4") if t == "x86-64-v3" or "avx512bw" in detected_cpu_flags()]
+KINDS = [("int8", target) for target in TARGETS] + [("bf16", "native")]
 
 
-def make_head(seed: int = 0) -> tuple[CpuLinear, GreedyHead, torch.Tensor]:
+def make_head(kind: str = "int8", target: str = "native", seed: int = 0) -> tuple[CpuLinear, GreedyHead, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
     weight[700] = weight[9]  # an exact tie: the first index wins
-    weight[1000:1064] = weight[:64] + torch.randn(64, HIDDEN, generator=gen) * 1e-6  # near ties, bf16 cannot tell
-    full = CpuLinear(weight, max_rows=ANY_ROWS)
-    return full, GreedyHead(full, weight), weight
+    weight[1000:1064] = weight[:64] + torch.randn(64, HIDDEN, generator=gen) * 1e-6  # near ties: only float32 tells
+    weight[1100], weight[1101] = 0.0, 1e-20  # a zero row, and one too small for its own int8 scale
+    library = cpu_linear.load_library(march=target)
+    full = CpuLinear(weight, library, max_rows=ANY_ROWS)
+    return full, GreedyHead(full, weight, library, kind), weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, 13, 48, 64])
-def test_the_head_gives_the_argmax_of_the_float32_logits(rows):
-    full, head, weight = make_head()
+@pytest.mark.parametrize("kind, target", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 48, 64])
+def test_the_head_gives_the_argmax_of_the_float32_logits(rows, kind, target):
+    full, head, weight = make_head(kind, target)
     gen = torch.Generator().manual_seed(rows)
     for scale in (1e-3, 1.0, 1e3):
         x = weight[torch.randint(0, 64, (rows,), generator=gen)] * 40 * scale  # each near a tie of n, 1000 + n
@@ -35,6 +41,20 @@ def test_the_head_gives_the_argmax_of_the_float32_logits(rows):
         assert torch.equal(head(x), full(x).argmax(dim=1))
         x = torch.randn(rows, HIDDEN, generator=gen) * scale
         assert torch.equal(head(x), full(x).argmax(dim=1))
+
+
+@pytest.mark.parametrize("kind, target", KINDS)
+def test_the_bound_holds_and_the_float32_check_is_needed(kind, target):
+    """Every approximate logit lies within its bound of the float32 one; on the near ties the approximation
+    alone picks other tokens than the float32 head."""
+    full, head, weight = make_head(kind, target)
+    x = torch.cat([weight[:48] * 40, torch.randn(16, HIDDEN)])
+    approx, scales, error_scales = head.approx(x, x.double().norm(dim=1))
+    bounds = scales[:, None] * head.w_norms + error_scales[:, None] * head.approx.w_errors
+    logits = full(x)
+    assert bool(((approx - logits).abs() <= bounds).all())
+    assert not torch.equal(approx.argmax(dim=1), logits.argmax(dim=1))
+    assert torch.equal(head(x), logits.argmax(dim=1))
 
 
 def test_rows_it_cannot_bound_take_the_full_logits():
@@ -99,15 +119,18 @@ def test_steps_that_need_the_logits_take_them(model_path, params):
     assert all(out.logprobs for out in outputs) == ("logprobs" in params)
 
 
-def test_the_engine_attaches_the_head_where_the_cpu_has_bf16_dot_products(model_path, monkeypatch):
+def test_the_engine_attaches_the_head_where_the_cpu_has_int8_or_amx_dot_products(model_path, monkeypatch):
     path, _ = model_path
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True)
     model = llm.engine.runner.model
     model.lm_head.cpu_kernel = CpuLinear(model.lm_head.weight, max_rows=ANY_ROWS)
     library = cpu_linear.load_library()
-    dot_products = has_native_bf16() and bool(library.linear_bf16_pairs() or library.linear_amx())
-    assert attach_greedy_head(model) == dot_products and (model.greedy_head is not None) == dot_products
+    expected = "bf16" if library.linear_amx() and "amx_bf16" in detected_cpu_flags() else "int8"
+    assert approximation_kind(library, model.lm_head.weight) == expected
+    assert attach_greedy_head(model) and model.greedy_head.kind == expected
     monkeypatch.setenv(FLAGS_ENV, "avx2 fma")
+    assert attach_greedy_head(model) and model.greedy_head.kind == "int8"
+    monkeypatch.setenv(FLAGS_ENV, "sse2")
     assert not attach_greedy_head(model)
     model.lm_head.cpu_kernel = None  # float32 this small stays on MKL / oneDNN
     monkeypatch.delenv(FLAGS_ENV)

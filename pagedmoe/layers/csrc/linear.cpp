@@ -6,8 +6,10 @@
 // Weights are packed by pagedmoe/layers/cpu_linear.py as [N / PANEL, K, PANEL] (bf16 in k-pairs where the
 // target has avx512_bf16). Shape.out_features is the output width: N, or I for the gated form.
 #include <memory>
+#include <vector>
 
 #include "amx_tile.h"
+#include "int8_tile.h"
 
 namespace {
 
@@ -88,6 +90,35 @@ void gated_linear(const T *x, const T *w, T *out, const Shape &s, int num_thread
     });
 }
 
+// out[r][n] = float(x_r . w_n) * x_scales[r] * w_scales[n] for x in bytes (its int8 values plus I8_OFFSET,
+// K a multiple of 4) and W packed by int8_tile.h (N padded up to whole panels with zero rows, whose columns
+// are not written); w_sums[n] (the sum of w_n's values) takes the offset back out. The threads share runs
+// of panels; each panel's row blocks run while it is in L2.
+void linear_i8(const uint8_t *x, const int8_t *w, const int32_t *w_sums, const float *x_scales,
+               const float *w_scales, float *out, const Shape &s, int num_threads) {
+    const int64_t N = s.out_features, K = s.in_features, num_panels = (N + I8_PANEL - 1) / I8_PANEL;
+    const int64_t task = panels_per_task(num_panels, K * I8_PANEL, 1, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t first = 0; first < num_panels; first += task) {
+        const uint8_t *rows[I8_MAX_ROWS];
+        alignas(64) int32_t acc[I8_MAX_ROWS * I8_PANEL];
+        for (int64_t j = first; j < std::min(num_panels, first + task); j++)
+            for (int64_t r = 0; r < s.rows; r += I8_MAX_ROWS) {
+                const int n = int(std::min<int64_t>(I8_MAX_ROWS, s.rows - r));
+                for (int m = 0; m < n; m++) rows[m] = x + (r + m) * K;
+                i8_tile(n, rows, w + j * K * I8_PANEL, K, acc);
+                const int64_t col = j * I8_PANEL, width = std::min<int64_t>(I8_PANEL, N - col);
+                for (int m = 0; m < n; m++) {
+                    float *row = out + (r + m) * N + col;
+#pragma omp simd
+                    for (int64_t c = 0; c < width; c++)
+                        row[c] = float(acc[m * I8_PANEL + c] - I8_OFFSET * w_sums[col + c]) * x_scales[r + m] *
+                                 w_scales[col + c];
+                }
+            }
+    }
+}
+
 // From the bits: -ffast-math lets the compiler assume every float is finite.
 inline bool finite(float v) {
     uint32_t bits;
@@ -106,31 +137,76 @@ void candidate_products(const float *x, const float *w, const int64_t *columns, 
     tile(1, &x, panel.get(), K, acc);
 }
 
-// The first column of row x's largest float32 product with W [N, K], x W^T, found from approx (the row of x W^T
-// from bf16 copies of x and W) and bound: no column's float32 product is further than bound * w_norms[n] from
-// its approx. Only the columns whose approx can still reach the largest lower bound are computed (a few).
-// -1 where the row's bounds are not finite (the caller then takes the full logits).
-int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, const float *w_norms, float bound,
-                           const Shape &s) {
-    const int64_t N = s.out_features, K = s.in_features;
-    float floor = approx[0] - bound * w_norms[0];
+// A row's bound on |approx[n] - the float32 product n|: scale * w_norms[n] + error_scale * w_errors[n].
+struct Bound {
+    const float *w_norms, *w_errors;
+    float scale, error_scale;
+    float operator()(int64_t n) const { return scale * w_norms[n] + error_scale * w_errors[n]; }
+};
+
+// The largest of approx[n] - bound(n): a lower bound on the largest float32 product.
+float floor_of(const float *approx, const Bound &bound, int64_t N) {
+    float floor = approx[0] - bound(0);
 #pragma omp simd reduction(max : floor)
-    for (int64_t n = 1; n < N; n++) floor = std::max(floor, approx[n] - bound * w_norms[n]);
-    if (!finite(floor) || !finite(bound)) return -1;
-    int64_t columns[PANEL], best = -1;
-    int count = 0;
-    alignas(64) float acc[PANEL];
-    float best_value = 0.0f;
+    for (int64_t n = 1; n < N; n++) floor = std::max(floor, approx[n] - bound(n));
+    return floor;
+}
+
+// x . w in float32 in any order: like the tile's own sum, within K 2^-24 |x| |w| of the exact product.
+float any_order_dot(const float *x, const float *w, int64_t K) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < K; k++) sum += x[k] * w[k];
+    return sum;
+}
+
+// The columns whose approx can still reach floor, each with its any-order product (dots); the largest lower
+// bound of those products, dots[n] - fine * w_norms[n].
+float near_columns(const float *x, const float *w, const float *approx, const Bound &bound, float floor, float fine,
+                   const Shape &s, std::vector<int64_t> &columns, std::vector<float> &dots) {
+    const int64_t N = s.out_features, K = s.in_features;
+    float finer = -INFINITY;
     for (int64_t j = 0; j < N; j += VLEN) {  // VLEN columns in one vector test, nearly all below the floor
         int reaches = 0;
 #pragma omp simd reduction(| : reaches)
-        for (int c = 0; c < VLEN; c++) reaches |= approx[j + c] + bound * w_norms[j + c] >= floor;
+        for (int c = 0; c < VLEN; c++) reaches |= approx[j + c] + bound(j + c) >= floor;
         for (int64_t n = j; reaches && n < j + VLEN; n++)
-            if (approx[n] + bound * w_norms[n] >= floor) columns[count++] = n;
-        if (count == 0 || (count + VLEN <= PANEL && j + VLEN < N)) continue;
-        candidate_products(x, w, columns, count, K, acc);
+            if (approx[n] + bound(n) >= floor) {
+                columns.push_back(n), dots.push_back(any_order_dot(x, w + n * K, K));
+                finer = std::max(finer, dots.back() - fine * bound.w_norms[n]);
+            }
+    }
+    return finer;
+}
+
+// The first column of row x's largest float32 product with W [N, K], x W^T, found from approx (the row of x W^T
+// from bf16 or int8 copies of x and W) and bound: no column's float32 product is further than bound(n) from its
+// approx. The columns that can still reach the largest lower bound (a few dozen) get an any-order
+// float32 product, and the few of those that can still be the largest their tile product.
+// -1 where the row's bounds are not finite (the caller then takes the full logits).
+int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, const Bound &bound, const Shape &s) {
+    const int64_t K = s.in_features;
+    const float floor = floor_of(approx, bound, s.out_features);
+    if (!finite(floor) || !finite(bound.scale) || !finite(bound.error_scale)) return -1;
+    double norm = 0.0;
+    for (int64_t k = 0; k < K; k++) norm += double(x[k]) * x[k];
+    // twice K 2^-24 |x| |w| between the two float32 sums, with a quarter more for the roundings of the bounds
+    const float fine = float(2.5 * double(K) * 0x1p-24 * std::sqrt(norm));
+    thread_local std::vector<int64_t> columns;
+    thread_local std::vector<float> dots;
+    columns.clear(), dots.clear();
+    const float finer = near_columns(x, w, approx, bound, floor, fine, s, columns, dots);
+    if (!finite(finer) || !finite(fine)) return -1;
+    int64_t batch[PANEL], best = -1;
+    int count = 0;
+    alignas(64) float acc[PANEL];
+    float best_value = 0.0f;
+    for (size_t i = 0; i < columns.size(); i++) {
+        if (dots[i] + fine * bound.w_norms[columns[i]] >= finer) batch[count++] = columns[i];
+        if (count == 0 || (count < PANEL && i + 1 < columns.size())) continue;
+        candidate_products(x, w, batch, count, K, acc);
         for (int c = 0; c < count; c++)
-            if (best < 0 || acc[c] > best_value) best = columns[c], best_value = acc[c];
+            if (best < 0 || acc[c] > best_value) best = batch[c], best_value = acc[c];
         count = 0;
     }
     return finite(best_value) ? best : -1;
@@ -138,12 +214,15 @@ int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, 
 
 }  // namespace
 
-// w: the float32 weight [N, K] as the model holds it; bounds: per row of x, the bound of bounded_argmax_row.
+// w: the float32 weight [N, K] as the model holds it; scales and error_scales: per row of x, its Bound's.
 extern "C" void bounded_argmax_f32(const float *x, const float *w, const float *approx, const float *w_norms,
-                                   const float *bounds, int64_t *out, Shape s, int num_threads) {
+                                   const float *w_errors, const float *scales, const float *error_scales,
+                                   int64_t *out, Shape s, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t r = 0; r < s.rows; r++)
-        out[r] = bounded_argmax_row(x + r * s.in_features, w, approx + r * s.out_features, w_norms, bounds[r], s);
+    for (int64_t r = 0; r < s.rows; r++) {
+        const Bound bound{w_norms, w_errors, scales[r], error_scales[r]};
+        out[r] = bounded_argmax_row(x + r * s.in_features, w, approx + r * s.out_features, bound, s);
+    }
 }
 
 extern "C" int linear_panel() { return PANEL; }
@@ -165,6 +244,14 @@ extern "C" void linear_bf16_to_f32(const BF16 *x, const BF16 *w, float *out, Sha
 extern "C" void linear_amx_bf16_to_f32(const BF16 *x, const BF16 *w, float *out, Shape shape, int num_threads) {
     linear<true>(x, w, (const BF16 *)nullptr, out, shape, num_threads);
 }
+
+// The greedy head's int8 approximate logits (linear_i8); 0 where the build has no int8 dot products.
+extern "C" void linear_i8_to_f32(const uint8_t *x, const int8_t *w, const int32_t *w_sums, const float *x_scales,
+                                 const float *w_scales, float *out, Shape shape, int num_threads) {
+    linear_i8(x, w, w_sums, x_scales, w_scales, out, shape, num_threads);
+}
+extern "C" int linear_i8_panel() { return HAS_I8 ? I8_PANEL : 0; }
+extern "C" int linear_i8_offset() { return I8_OFFSET; }
 
 EXPORT(linear_f32, float, false)
 EXPORT(linear_bf16, BF16, false)

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "../../csrc/amx_tile.h"
+#include "../../csrc/int8_tile.h"
 
 // The kernels' sources, each in its own namespace: their file-local helpers and shapes share names. Their
 // system headers are included above, outside the namespaces.
