@@ -55,8 +55,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (CPU never uses them)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cpu_linear_kernel: bool = True  # CPU: decode-sized float32 linears run on a C++ tile GEMM (built on first use)
-    # CPU, float32, AVX2 and up: plain greedy steps take their tokens from an int8 (bf16 on AMX) LM head and a
-    # float32 check of the few candidates its error bound leaves: the same tokens (layers/greedy_head.py)
+    # CPU, float32 or bf16, AVX2 and up: plain greedy steps take their tokens from an int8 LM head (bf16 for float32
+    # on AMX) and a float32 check of the few candidates its error bound leaves: the same tokens (layers/greedy_head.py)
     cpu_greedy_head: bool = True
     keep_freed_memory: bool = True  # CPU: glibc keeps freed large blocks for reuse (process-wide mallopt)
     # CPU: bytes of the KV pool (the blocks handed out first) that start-up writes once, so that steps do not wait

@@ -25,6 +25,7 @@ MIN_HIDDEN_NORM, MIN_WEIGHT_NORM = 2.0 ** -30, 2.0 ** -40
 # float32 roundings of the int8 head's approx (the int32 sum, two scales) and of the kernel's comparisons
 ROUNDING = 2.0 ** -20
 MARGIN = 1.0625  # for the roundings of the bounds themselves
+ARGMAX_ENTRY_POINTS = {torch.float32: "bounded_argmax_f32", torch.bfloat16: "bounded_argmax_bf16"}
 
 
 def error_factor(in_features: int) -> float:
@@ -66,6 +67,7 @@ class Int8Logits:
         self.f32_error = 2 * weight.shape[1] * 2.0 ** -24 + ROUNDING  # the float32 head's own sums
 
     def __call__(self, rows: Tensor, norms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rows = rows.float()
         scales = rows.abs().amax(dim=1) / 127
         values = (rows / scales[:, None]).round_().clamp_(-127, 127)
         rounded = values.double() * scales.double()[:, None]
@@ -103,30 +105,31 @@ def pack_i8(values: Tensor, panel: int) -> Tensor:
 
 
 class GreedyHead:
-    """head: the LM head's float32 tile kernel (CpuLinear); its weight [V, K] float32. kind: "int8" or "bf16"
-    approximate logits (None: approximation_kind's choice for the CPU)."""
+    """head: the LM head's tile kernel (CpuLinear, not on AMX where bf16); its weight [V, K], float32 or bf16
+    (then the logits are the tile's float32 sums rounded to bf16, and ties among them go to the first index, as
+    torch.argmax). kind: "int8" or (float32 only) "bf16" approximate logits (None: approximation_kind's)."""
 
     def __init__(self, head: CpuLinear, weight: Tensor, library: ctypes.CDLL | None = None,
                  kind: str | None = None):
         self.library = library if library is not None else cpu_linear.load_library()
-        if weight.dtype != torch.float32 or head.weight.dtype != torch.float32 or head.gated:
-            raise ValueError(f"the greedy head takes a float32 LM head, got {weight.dtype}")
+        if reason := unsupported_reason(head, weight):
+            raise ValueError(reason)
         self.weight, self.max_rows = weight.detach().contiguous(), head.max_rows  # where the full head runs the tile
-        self.library.bounded_argmax_f32.restype = None
+        self.argmax_fn = getattr(self.library, ARGMAX_ENTRY_POINTS[weight.dtype])
+        self.argmax_fn.restype = None
         # float64 norms rounded to float32 (2^-24 relative) stay inside the bounds' margins
         self.w_norms = weight.detach().double().norm(dim=1).clamp(min=MIN_WEIGHT_NORM).float()
-        kind = kind or approximation_kind(self.library, weight)
-        if kind not in ("int8", "bf16"):
-            raise ValueError(f"kind must be 'int8' or 'bf16', got {kind!r}")
-        self.kind = kind
-        self.approx = (Int8Logits(self.weight, self.library, self.w_norms) if kind == "int8" else
+        self.kind = kind or approximation_kind(self.library, weight)
+        if self.kind not in ("int8", "bf16") or (self.kind == "bf16" and weight.dtype != torch.float32):
+            raise ValueError(f"kind must be 'int8' (or 'bf16' for a float32 head), got {kind!r}")
+        self.approx = (Int8Logits(self.weight, self.library, self.w_norms) if self.kind == "int8" else
                        Bf16Logits(self.weight, self.library, head.max_rows, self.w_norms))
 
     def __call__(self, hidden: Tensor) -> Tensor | None:
-        """The argmax of hidden's float32 logits, a row each; None where it does not apply (too many rows, a
-        row too small or not finite): take the logits."""
+        """The argmax of hidden's logits, a row each; None where it does not apply (too many rows, a row too
+        small or not finite): take the logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.dtype != torch.float32 or rows.shape[0] > self.max_rows or rows.shape[0] == 0:
+        if rows.dtype != self.weight.dtype or rows.shape[0] > self.max_rows or rows.shape[0] == 0:
             return None
         rows = rows.contiguous()
         norms = rows.double().norm(dim=1)
@@ -134,25 +137,33 @@ class GreedyHead:
             return None
         approx, scales, error_scales = self.approx(rows, norms)
         out, shape = torch.empty(rows.shape[0], dtype=torch.int64), Shape(rows.shape[0], *self.weight.shape)
-        self.library.bounded_argmax_f32(ptr(rows), ptr(self.weight), ptr(approx), ptr(self.w_norms),
-                                        ptr(self.approx.w_errors), ptr(scales), ptr(error_scales), ptr(out),
-                                        shape, num_threads())
+        self.argmax_fn(ptr(rows), ptr(self.weight), ptr(approx), ptr(self.w_norms), ptr(self.approx.w_errors),
+                       ptr(scales), ptr(error_scales), ptr(out), shape, num_threads())
         return None if bool((out < 0).any()) else out
 
 
+def unsupported_reason(head: CpuLinear, weight: Tensor) -> str | None:
+    if weight.dtype not in ARGMAX_ENTRY_POINTS or head.weight.dtype != weight.dtype or head.gated:
+        return f"the greedy head takes a float32 or bf16 LM head, got {weight.dtype}"
+    if head.on_amx:
+        return "the greedy head checks its candidates on the vector tiles, and this bf16 head runs on AMX"
+    return None
+
+
 def approximation_kind(library: ctypes.CDLL, weight: Tensor) -> str | None:
-    """bf16 on AMX tiles; else int8 where the kernel has int8 dot products (AVX2 and up); None elsewhere."""
-    if cpu_linear.uses_amx(library, weight[:1].bfloat16()):
+    """bf16 on AMX tiles for a float32 head; else int8 where the kernel has int8 dot products (AVX2 and up);
+    None elsewhere."""
+    if weight.dtype == torch.float32 and cpu_linear.uses_amx(library, weight[:1].bfloat16()):
         return "bf16"
     return "int8" if library.linear_i8_panel() and "avx2" in cpu_flags() else None
 
 
 def attach_greedy_head(model) -> bool:
-    """model.greedy_head, where the LM head runs float32 on the tile kernel without a bias, on a CPU whose
-    kernel has bf16 AMX tiles or int8 dot products; False elsewhere."""
+    """model.greedy_head, where the LM head runs float32 or bf16 on the tile kernel without a bias, on a CPU whose
+    kernel has int8 dot products or (float32) bf16 AMX tiles; False elsewhere, and for bf16 heads on AMX."""
     head = getattr(model, "lm_head", None)
     kernel = getattr(head, "cpu_kernel", None)
-    if kernel is None or head.bias is not None or head.weight.dtype != torch.float32:
+    if kernel is None or head.bias is not None or unsupported_reason(kernel, head.weight):
         return False
     library = cpu_linear.load_library()
     if (kind := approximation_kind(library, head.weight)) is None:

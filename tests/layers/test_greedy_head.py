@@ -16,45 +16,52 @@ from pagedmoe.layers.greedy_head import GreedyHead, approximation_kind, attach_g
 
 VOCAB, HIDDEN = 2048, 254  # 254: the int8 head pads its k-steps to quads
 TARGETS = [t for t in ("x86-64-v3", "x86-64-v4") if t == "x86-64-v3" or "avx512bw" in detected_cpu_flags()]
-KINDS = [("int8", target) for target in TARGETS] + [("bf16", "native")]
+# (approximation, kernel build, the head's dtype); bf16 heads: their logits rounded to bf16, ties and all
+KINDS = [("int8", target, dtype) for target in TARGETS for dtype in (torch.float32, torch.bfloat16)] + \
+    [("bf16", "native", torch.float32)]
 
 
-def make_head(kind: str = "int8", target: str = "native", seed: int = 0) -> tuple[CpuLinear, GreedyHead, torch.Tensor]:
+def make_head(kind: str = "int8", target: str = "native", dtype: torch.dtype = torch.float32,
+              seed: int = 0) -> tuple[CpuLinear, GreedyHead, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
     weight[700] = weight[9]  # an exact tie: the first index wins
     weight[1000:1064] = weight[:64] + torch.randn(64, HIDDEN, generator=gen) * 1e-6  # near ties: only float32 tells
     weight[1100], weight[1101] = 0.0, 1e-20  # a zero row, and one too small for its own int8 scale
+    if dtype == torch.bfloat16:  # near ties in bf16: one step of the last bit in a few of each row's weights
+        weight = weight.bfloat16()
+        weight[1000:1064] = weight[:64]
+        weight.view(torch.int16)[1000:1064, :4] += 1
     library = cpu_linear.load_library(march=target)
     full = CpuLinear(weight, library, max_rows=ANY_ROWS)
     return full, GreedyHead(full, weight, library, kind), weight
 
 
-@pytest.mark.parametrize("kind, target", KINDS)
+@pytest.mark.parametrize("kind, target, dtype", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 48, 64])
-def test_the_head_gives_the_argmax_of_the_float32_logits(rows, kind, target):
-    full, head, weight = make_head(kind, target)
+def test_the_head_gives_the_argmax_of_the_logits(rows, kind, target, dtype):
+    full, head, weight = make_head(kind, target, dtype)
     gen = torch.Generator().manual_seed(rows)
     for scale in (1e-3, 1.0, 1e3):
         x = weight[torch.randint(0, 64, (rows,), generator=gen)] * 40 * scale  # each near a tie of n, 1000 + n
         x[0] = weight[9] * 40 * scale  # its logit ties between tokens 9 and 700
         assert torch.equal(head(x), full(x).argmax(dim=1))
-        x = torch.randn(rows, HIDDEN, generator=gen) * scale
+        x = (torch.randn(rows, HIDDEN, generator=gen) * scale).to(dtype)
         assert torch.equal(head(x), full(x).argmax(dim=1))
 
 
-@pytest.mark.parametrize("kind, target", KINDS)
-def test_the_bound_holds_and_the_float32_check_is_needed(kind, target):
-    """Every approximate logit lies within its bound of the float32 one; on the near ties the approximation
-    alone picks other tokens than the float32 head."""
-    full, head, weight = make_head(kind, target)
-    x = torch.cat([weight[:48] * 40, torch.randn(16, HIDDEN)])
+@pytest.mark.parametrize("kind, target, dtype", KINDS)
+def test_the_bound_holds_and_the_float32_check_is_needed(kind, target, dtype):
+    """Every approximate logit lies within its bound of the float32 one (bf16 heads: of the float32 sum before
+    its rounding); on the near ties the approximation alone picks other tokens than the full head."""
+    full, head, weight = make_head(kind, target, dtype)
+    x = torch.cat([weight[:48] * 40, torch.randn(16, HIDDEN).to(dtype)])
     approx, scales, error_scales = head.approx(x, x.double().norm(dim=1))
     bounds = scales[:, None] * head.w_norms + error_scales[:, None] * head.approx.w_errors
-    logits = full(x)
+    logits = full(x) if dtype == torch.float32 else x.double() @ weight.double().T
     assert bool(((approx - logits).abs() <= bounds).all())
     assert not torch.equal(approx.argmax(dim=1), logits.argmax(dim=1))
-    assert torch.equal(head(x), logits.argmax(dim=1))
+    assert torch.equal(head(x), full(x).argmax(dim=1))
 
 
 def test_rows_it_cannot_bound_take_the_full_logits():
@@ -108,6 +115,18 @@ def test_the_engine_takes_its_tokens_from_the_head_in_greedy_steps(model_path):
     assert [out.token_ids for out in generate(llm, prompts)] == tokens
 
 
+def test_a_bf16_model_takes_the_same_tokens_from_the_head(model_path):
+    """bf16 logits round many near ties to exact ones: the head's tokens are the full head's, first index."""
+    path, _ = model_path
+    prompts = make_prompts(6, seed=3, max_len=30)
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=False)
+    answers = with_head(llm)
+    tokens = [out.token_ids for out in generate(llm, prompts)]
+    assert answers and all(a is not None for a in answers)
+    llm.engine.runner.model.greedy_head = None
+    assert [out.token_ids for out in generate(llm, prompts)] == tokens
+
+
 @pytest.mark.parametrize("params", [dict(logprobs=2), dict(repetition_penalty=1.3), dict(logit_bias={5: 3.0})])
 def test_steps_that_need_the_logits_take_them(model_path, params):
     """Logprobs, penalties and biases read the logits: those steps never ask the head."""
@@ -137,3 +156,6 @@ def test_the_engine_attaches_the_head_where_the_cpu_has_int8_or_amx_dot_products
     assert not attach_greedy_head(model)
     off = LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_greedy_head=False)
     assert off.engine.runner.model.greedy_head is None
+    bf16 = LLM(path, dtype="bfloat16", skip_tokenizer_init=True).engine.runner.model
+    kernel = bf16.lm_head.cpu_kernel
+    assert (bf16.greedy_head is not None) == (kernel is not None and not kernel.on_amx)

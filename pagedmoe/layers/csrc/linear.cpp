@@ -127,15 +127,32 @@ inline bool finite(float v) {
 }
 
 // The float32 products of row x with up to PANEL columns of W [N, K] (unpacked), gathered into a panel of their
-// own and run on the tile that computes every column of x W^T, so that each is bit-identical to linear<false>'s.
-void candidate_products(const float *x, const float *w, const int64_t *columns, int count, int64_t K, float *acc) {
-    thread_local std::unique_ptr<float[]> panel;  // lanes past count keep earlier (finite) values, never read
+// own (in k-pairs where the bf16 tile takes them) and run on the tile that computes every column of x W^T, so
+// that each is bit-identical to linear<false>'s.
+template <typename T>
+void candidate_products(const T *x, const T *w, const int64_t *columns, int count, int64_t K, float *acc) {
+    constexpr bool IN_PAIRS = PAIRS && std::is_same_v<T, BF16>;
+    thread_local std::unique_ptr<T[]> panel;  // lanes past count keep earlier (finite) values, never read
     thread_local int64_t panel_k = 0;
-    if (panel_k < K) panel.reset(new float[K * PANEL]()), panel_k = K;
+    if (panel_k < K) panel.reset(new T[K * PANEL]()), panel_k = K;
     for (int c = 0; c < count; c++)
-        for (int64_t k = 0; k < K; k++) panel[k * PANEL + c] = w[columns[c] * K + k];
+        for (int64_t k = 0; k < K; k++)
+            panel[IN_PAIRS ? (k / 2 * PANEL + c) * 2 + k % 2 : k * PANEL + c] = w[columns[c] * K + k];
     tile(1, &x, panel.get(), K, acc);
 }
+
+// The logit as the full head stores it: float32, or rounded to bf16 (ties to even, as torch) and back.
+inline float stored(float v, float) { return v; }
+inline float stored(float v, BF16) {
+    BF16 rounded;
+    store(rounded, v);
+    return to_float(rounded);
+}
+
+// How far below a lower bound on the largest product a product can be and still store the largest logit: 0 in
+// float32; in bf16 the two roundings (2^-9 each of the value), doubled, and an absolute term for zero.
+inline float tie_slack(float v, float) { return 0.0f; }
+inline float tie_slack(float v, BF16) { return std::fabs(v) * 0x1p-7f + 0x1p-100f; }
 
 // A row's bound on |approx[n] - the float32 product n|: scale * w_norms[n] + error_scale * w_errors[n].
 struct Bound {
@@ -153,16 +170,18 @@ float floor_of(const float *approx, const Bound &bound, int64_t N) {
 }
 
 // x . w in float32 in any order: like the tile's own sum, within K 2^-24 |x| |w| of the exact product.
-float any_order_dot(const float *x, const float *w, int64_t K) {
+template <typename T>
+float any_order_dot(const T *x, const T *w, int64_t K) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t k = 0; k < K; k++) sum += x[k] * w[k];
+    for (int64_t k = 0; k < K; k++) sum += to_float(x[k]) * to_float(w[k]);
     return sum;
 }
 
 // The columns whose approx can still reach floor, each with its any-order product (dots); the largest lower
 // bound of those products, dots[n] - fine * w_norms[n].
-float near_columns(const float *x, const float *w, const float *approx, const Bound &bound, float floor, float fine,
+template <typename T>
+float near_columns(const T *x, const T *w, const float *approx, const Bound &bound, float floor, float fine,
                    const Shape &s, std::vector<int64_t> &columns, std::vector<float> &dots) {
     const int64_t N = s.out_features, K = s.in_features;
     float finer = -INFINITY;
@@ -179,23 +198,25 @@ float near_columns(const float *x, const float *w, const float *approx, const Bo
     return finer;
 }
 
-// The first column of row x's largest float32 product with W [N, K], x W^T, found from approx (the row of x W^T
-// from bf16 or int8 copies of x and W) and bound: no column's float32 product is further than bound(n) from its
-// approx. The columns that can still reach the largest lower bound (a few dozen) get an any-order
-// float32 product, and the few of those that can still be the largest their tile product.
+// The first column of row x's largest logit (x W^T, W [N, K], as linear<false> stores it), found from approx
+// (the row of x W^T from bf16 or int8 copies of x and W) and bound: no column's float32 product is further than
+// bound(n) from its approx. The columns that can still reach the largest lower bound (a few dozen) get an
+// any-order float32 product, and the few of those that can still be the largest their tile product.
 // -1 where the row's bounds are not finite (the caller then takes the full logits).
-int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, const Bound &bound, const Shape &s) {
+template <typename T>
+int64_t bounded_argmax_row(const T *x, const T *w, const float *approx, const Bound &bound, const Shape &s) {
     const int64_t K = s.in_features;
-    const float floor = floor_of(approx, bound, s.out_features);
+    const float lower = floor_of(approx, bound, s.out_features), floor = lower - tie_slack(lower, T{});
     if (!finite(floor) || !finite(bound.scale) || !finite(bound.error_scale)) return -1;
     double norm = 0.0;
-    for (int64_t k = 0; k < K; k++) norm += double(x[k]) * x[k];
+    for (int64_t k = 0; k < K; k++) norm += double(to_float(x[k])) * to_float(x[k]);
     // twice K 2^-24 |x| |w| between the two float32 sums, with a quarter more for the roundings of the bounds
     const float fine = float(2.5 * double(K) * 0x1p-24 * std::sqrt(norm));
     thread_local std::vector<int64_t> columns;
     thread_local std::vector<float> dots;
     columns.clear(), dots.clear();
-    const float finer = near_columns(x, w, approx, bound, floor, fine, s, columns, dots);
+    const float finest = near_columns(x, w, approx, bound, floor, fine, s, columns, dots);
+    const float finer = finest - tie_slack(finest, T{});
     if (!finite(finer) || !finite(fine)) return -1;
     int64_t batch[PANEL], best = -1;
     int count = 0;
@@ -206,24 +227,35 @@ int64_t bounded_argmax_row(const float *x, const float *w, const float *approx, 
         if (count == 0 || (count < PANEL && i + 1 < columns.size())) continue;
         candidate_products(x, w, batch, count, K, acc);
         for (int c = 0; c < count; c++)
-            if (best < 0 || acc[c] > best_value) best = batch[c], best_value = acc[c];
+            if (best < 0 || stored(acc[c], T{}) > best_value) best = batch[c], best_value = stored(acc[c], T{});
         count = 0;
     }
     return finite(best_value) ? best : -1;
 }
 
-}  // namespace
 
-// w: the float32 weight [N, K] as the model holds it; scales and error_scales: per row of x, its Bound's.
-extern "C" void bounded_argmax_f32(const float *x, const float *w, const float *approx, const float *w_norms,
-                                   const float *w_errors, const float *scales, const float *error_scales,
-                                   int64_t *out, Shape s, int num_threads) {
+// w: the weight [N, K] as the model holds it; scales and error_scales: per row of x, its Bound's.
+template <typename T>
+void bounded_argmax(const T *x, const T *w, const float *approx, const float *w_norms, const float *w_errors,
+                    const float *scales, const float *error_scales, int64_t *out, const Shape &s, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t r = 0; r < s.rows; r++) {
         const Bound bound{w_norms, w_errors, scales[r], error_scales[r]};
         out[r] = bounded_argmax_row(x + r * s.in_features, w, approx + r * s.out_features, bound, s);
     }
 }
+
+}  // namespace
+
+#define BOUNDED_ARGMAX(NAME, T)                                                                               \
+    extern "C" void NAME(const T *x, const T *w, const float *approx, const float *w_norms,                  \
+                         const float *w_errors, const float *scales, const float *error_scales, int64_t *out, \
+                         Shape s, int num_threads) {                                                          \
+        bounded_argmax(x, w, approx, w_norms, w_errors, scales, error_scales, out, s, num_threads);          \
+    }
+BOUNDED_ARGMAX(bounded_argmax_f32, float)
+BOUNDED_ARGMAX(bounded_argmax_bf16, BF16)
+#undef BOUNDED_ARGMAX
 
 extern "C" int linear_panel() { return PANEL; }
 extern "C" int linear_bf16_pairs() { return PAIRS; }
