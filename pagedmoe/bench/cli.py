@@ -377,7 +377,7 @@ def _add_serve(sub):
 
 def _add_settle_timeout(parser):
     parser.add_argument("--settle-timeout", type=float, default=10.0, help="with --interleave: before each "
-                        "engine's turn, wait up to this many seconds for the CPUs to go quiet (at most 25%% busy "
+                        "engine's turn, wait up to this many seconds for the CPUs to go quiet (at most 0.2 cores busy "
                         "for 1 s): vLLM keeps a core busy for about a second after its last request")
 
 

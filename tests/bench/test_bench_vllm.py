@@ -1,6 +1,7 @@
 """The vllm baseline's harness, without vLLM: a stand-in `vllm` package on PYTHONPATH plays the engine, so
 these tests check what crosses the process boundary (the same token ids reach both engines, the lengths, the
 bindings, the start-up figures) and the argument handling. Benchmarks are not tests: vLLM itself never runs."""
+import itertools
 import json
 import sys
 import textwrap
@@ -249,15 +250,18 @@ def test_vllm_serve_interleaved_keeps_every_server_up_through_the_sweep(text_mod
 def test_quiet_cpus_are_waited_for_until_a_second_in_a_row_is_quiet(monkeypatch):
     import pagedmoe.bench.quiet as quiet
     monkeypatch.setattr(quiet.time, "sleep", lambda s: None)
-    busy_per_window = iter([100, 60, 10, 10, 90, 10, 10, 10, 10, 100])  # of 100 ticks a window
+    busy_per_window = iter([100, 60, 10, 10, 90, 10, 10, 10, 10, 100])  # of 100 ticks a window, on 2 CPUs
     state = {"busy": 0, "total": 0}
 
     def ticks():
         state["busy"] += next(busy_per_window)
         state["total"] += 100
         return state["busy"], state["total"]
-    quiet.wait_for_quiet_cpus(60, ticks=ticks)
-    assert next(busy_per_window) == 100  # four quiet windows after the 90 ended it, not the two before
+    quiet.wait_for_quiet_cpus(60, ticks=ticks, num_cpus=2)
+    assert next(busy_per_window) == 100  # four quiet windows (0.2 cores) after the 90 ended it, not the two before
+    busy_per_window = itertools.repeat(15)  # 0.3 cores a window, under a quarter of 2 CPUs: not quiet
+    state.update(busy=0, total=0)
+    assert quiet.wait_for_quiet_cpus(0.01, ticks=ticks, num_cpus=2) >= 0.01
     state.update(busy=0, total=0)
     always_busy = iter(range(10 ** 6))
     assert quiet.wait_for_quiet_cpus(0.01, ticks=lambda: (next(always_busy) * 100, next(always_busy) * 100)) >= 0.01
