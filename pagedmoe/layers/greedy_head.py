@@ -61,9 +61,9 @@ class Int8Logits:
     def __init__(self, weight: Tensor, library: ctypes.CDLL, w_norms: Tensor):
         self.fn, self.offset = library.linear_i8_to_f32, library.linear_i8_offset()
         self.fn.restype = None
-        self.weight, self.scales, self.w_errors = quantized_rows(weight.detach().double(), w_norms.double())
-        self.sums = self.weight.sum(dim=1, dtype=torch.int32)
-        self.packed = pack_i8(self.weight, library.linear_i8_panel())
+        values, self.scales, self.w_errors = quantized_rows(weight.detach().double(), w_norms.double())
+        self.sums, self.shape = values.sum(dim=1, dtype=torch.int32), values.shape  # [V, K padded to quads]
+        self.packed = pack_i8(values, library.linear_i8_panel())
         self.f32_error = 2 * weight.shape[1] * 2.0 ** -24 + ROUNDING  # the float32 head's own sums
 
     def __call__(self, rows: Tensor, norms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,7 +72,7 @@ class Int8Logits:
         values = (rows / scales[:, None]).round_().clamp_(-127, 127)
         rounded = values.double() * scales.double()[:, None]
         off, rounded_norms = (rows.double() - rounded).norm(dim=1), rounded.norm(dim=1)
-        approx, shape = torch.empty(rows.shape[0], self.weight.shape[0]), Shape(rows.shape[0], *self.weight.shape)
+        approx, shape = torch.empty(rows.shape[0], self.shape[0]), Shape(rows.shape[0], *self.shape)
         x = padded_to_quads(values.add_(self.offset).to(torch.int16).to(torch.uint8), self.offset)
         self.fn(ptr(x), ptr(self.packed), ptr(self.sums), ptr(scales), ptr(self.scales), ptr(approx), shape,
                 num_threads())
