@@ -1,4 +1,4 @@
-"""Greedy next tokens of a float32 model without its float32 logits, the same tokens: the LM head runs on int8
+"""Greedy next tokens of a float32 or bf16 model without its logits, the same tokens: the LM head runs on int8
 copies of the hidden states and its weight (int8 dot products from AVX2 up: on a Zen 4 with VNNI 2.5x the float32
 tile's rate, a quarter of its bytes) or, on AMX, bf16 copies; a bound on that product's error leaves a few dozen
 candidate tokens a row. Their float32 products in any order (within 2 K 2^-24 |x| |w| of the tile's) leave one

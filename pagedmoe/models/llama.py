@@ -100,7 +100,7 @@ class DecoderForCausalLM(nn.Module):
     attention_sinks = False
     takes_fp4_packed = True  # load_weight takes PackedFp4Weight for linear layers and experts
     decode_stack = None  # CPU: every layer in one call for steps of decodes (layers/decode_stack.py)
-    greedy_head = None  # CPU, float32: greedy tokens without the float32 logits (layers/greedy_head.py)
+    greedy_head = None  # CPU: greedy tokens without the full logits (layers/greedy_head.py)
     weight_renames: dict[str, str] = {}
 
     def __init__(self, config):

@@ -226,13 +226,14 @@ int64_t bounded_argmax_row(const T *x, const T *w, const float *approx, const Bo
         if (dots[i] + fine * bound.w_norms[columns[i]] >= finer) batch[count++] = columns[i];
         if (count == 0 || (count < PANEL && i + 1 < columns.size())) continue;
         candidate_products(x, w, batch, count, K, acc);
-        for (int c = 0; c < count; c++)
-            if (best < 0 || stored(acc[c], T{}) > best_value) best = batch[c], best_value = stored(acc[c], T{});
+        for (int c = 0; c < count; c++) {
+            const float value = stored(acc[c], T{});
+            if (best < 0 || value > best_value) best = batch[c], best_value = value;
+        }
         count = 0;
     }
     return finite(best_value) ? best : -1;
 }
-
 
 // w: the weight [N, K] as the model holds it; scales and error_scales: per row of x, its Bound's.
 template <typename T>
